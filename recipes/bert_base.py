@@ -1,0 +1,290 @@
+# /// script
+# requires-python = ">=3.10"
+# dependencies = ["birder-hf[recipes]"]
+# ///
+"""Fine-tune BERT for extractive question answering (SQuAD 1.1) with Birder, through the HF Trainer.
+
+The paper's BERT-Base workload, as HF users run it. Offline by default: with no arguments it trains a
+tiny BERT from scratch on an embedded SQuAD-format task the project generates (written to JSON and read
+through the same path real SQuAD files take) and reports SQuAD exact match / F1.
+
+    # CPU, one machine, 4 processes as 2 simulated nodes x 2 (hierarchical 1-bit all-reduce):
+    ACCELERATE_USE_CPU=1 accelerate launch --config_file accelerate_configs/cpu.yaml recipes/bert_base.py --num_nodes 2
+    # GPUs, 4 nodes x 8 (run on every node with its --machine_rank), real SQuAD and BERT-Base:
+    accelerate launch --config_file accelerate_configs/multi_node_4x8.yaml --machine_rank $NODE_RANK \\
+        --main_process_ip $MASTER recipes/bert_base.py --model_name_or_path bert-base-uncased \\
+        --dataset_name squad --max_seq_length 384 --doc_stride 128 --learning_rate 5e-5 --num_train_epochs 2 \\
+        --per_device_train_batch_size 12 --bf16 --output_dir outputs/bert_base_squad
+
+Any `TrainingArguments` flag works (--max_steps, --save_steps, --resume_from_checkpoint, --seed, --report_to,
+--push_to_hub, ...). A single .json or .yaml argument is read as the whole configuration.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+
+import torch
+from transformers import (
+    AutoModelForQuestionAnswering,
+    AutoTokenizer,
+    BertConfig,
+    BertForQuestionAnswering,
+    HfArgumentParser,
+    Trainer,
+    TrainingArguments,
+    default_data_collator,
+)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from embedded_data import build_wordpiece_tokenizer, load_squad_json, make_squad_dataset  # noqa: E402
+from qa_utils import (  # noqa: E402
+    postprocess_qa_predictions,
+    prepare_eval_features,
+    prepare_train_features,
+    squad_metrics,
+)
+
+from birder_hf.integrations.accelerate import check_really_distributed  # noqa: E402
+from birder_hf.integrations.transformers import BirderArguments, BirderTrainer  # noqa: E402
+
+logger = logging.getLogger("bert_base")
+
+MODEL_CONFIGS = {
+    # BERT-Base (110M parameters), random init: the paper's model without the Hub
+    "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
+    # small enough to learn the embedded task in a few CPU minutes
+    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512),
+}
+
+# Recipe defaults that differ from TrainingArguments' (which suit fine-tuning a pretrained model on GPUs);
+# any of them given on the command line wins.
+RECIPE_DEFAULTS = {
+    "output_dir": "outputs/bert_base_qa",
+    "max_steps": 300,
+    "learning_rate": 2e-3,
+    "weight_decay": 0.01,
+    "per_device_train_batch_size": 16,
+    "per_device_eval_batch_size": 64,
+    "warmup_steps": 0,
+    "lr_scheduler_type": "linear",
+    "logging_steps": 25,
+    "save_strategy": "no",
+    "report_to": "none",
+    "seed": 42,
+    "ddp_find_unused_parameters": False,
+}
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Pretrained model (Hub name or local path); offline default: --model_config."}
+    )
+    model_config: str = field(default="tiny", metadata={"help": "Random-init size when no model is given: base|tiny."})
+    tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer (default: the model's, or built)."})
+
+    def __post_init__(self):
+        if self.model_config not in MODEL_CONFIGS:
+            raise ValueError(f"--model_config must be one of {sorted(MODEL_CONFIGS)}, got {self.model_config!r}")
+
+
+@dataclass
+class DataArguments:
+    dataset_name: str | None = field(default=None, metadata={"help": "A Hub dataset in SQuAD format, e.g. squad."})
+    train_file: str | None = field(default=None, metadata={"help": "SQuAD v1.1-format JSON for training."})
+    validation_file: str | None = field(default=None, metadata={"help": "SQuAD v1.1-format JSON for evaluation."})
+    embedded_num_train: int = field(default=2400, metadata={"help": "Questions in the embedded train set."})
+    embedded_num_eval: int = field(default=240, metadata={"help": "Questions in the embedded eval set."})
+    max_seq_length: int = field(default=128, metadata={"help": "Tokens per window (SQuAD with BERT: 384)."})
+    doc_stride: int = field(default=64, metadata={"help": "Overlap between windows of long contexts."})
+    max_train_samples: int | None = field(default=None, metadata={"help": "Truncate the train set (debugging)."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Truncate the eval set (debugging)."})
+    n_best_size: int = field(default=20, metadata={"help": "Start/end candidates per window when decoding."})
+    max_answer_length: int = field(default=30, metadata={"help": "Longest answer in tokens."})
+
+    def __post_init__(self):
+        if self.dataset_name and (self.train_file or self.validation_file):
+            raise ValueError("Give --dataset_name or --train_file/--validation_file, not both.")
+        if bool(self.train_file) != bool(self.validation_file):
+            raise ValueError("--train_file and --validation_file go together.")
+        if self.doc_stride >= self.max_seq_length:
+            raise ValueError("--doc_stride must be smaller than --max_seq_length.")
+
+
+@dataclass
+class OptimizerArguments(BirderArguments):
+    optimizer: str = field(default="birder", metadata={"help": "birder | adamw | sgdm (the uncompressed baselines)."})
+    hierarchy: bool = field(
+        default=False, metadata={"help": "The seed's --hierarchy: same as --comm_method hierarchical."}
+    )
+    momentum: float = field(default=0.9, metadata={"help": "sgdm only."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.optimizer not in ("birder", "adamw", "sgdm"):
+            raise ValueError(f"--optimizer must be birder, adamw or sgdm, got {self.optimizer!r}")
+        if self.hierarchy:
+            self.comm_method = "hierarchical"
+
+
+def parse_args(argv=None):
+    parser = HfArgumentParser((ModelArguments, DataArguments, OptimizerArguments, TrainingArguments))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
+        loader = parser.parse_json_file if argv[0].endswith(".json") else parser.parse_yaml_file
+        return loader(os.path.abspath(argv[0]))
+    given = {a.split("=", 1)[0].lstrip("-") for a in argv if a.startswith("--")}
+    for key, value in RECIPE_DEFAULTS.items():
+        if key not in given:
+            argv += [f"--{key}", str(value)]
+    if "use_cpu" not in given and not torch.cuda.is_available():
+        argv += ["--use_cpu", "True"]
+    return parser.parse_args_into_dataclasses(args=argv)
+
+
+def build_datasets(data_args, training_args):
+    """Raw train/eval datasets in the HF ``squad`` columns: Hub, local SQuAD JSON, or the embedded task."""
+    if data_args.dataset_name:
+        from datasets import load_dataset
+
+        raw = load_dataset(data_args.dataset_name)
+        return raw["train"], raw["validation"]
+    train_file, eval_file = data_args.train_file, data_args.validation_file
+    if not train_file:
+        folder = os.path.join(training_args.output_dir, "embedded_squad")
+        with training_args.main_process_first(desc="writing the embedded SQuAD-format data"):
+            train_file, eval_file = make_squad_dataset(
+                folder, data_args.embedded_num_train, data_args.embedded_num_eval, seed=0
+            )
+    return load_squad_json(train_file), load_squad_json(eval_file)
+
+
+def build_tokenizer(model_args, train_raw, training_args):
+    name = model_args.tokenizer_name or model_args.model_name_or_path
+    if name:
+        return AutoTokenizer.from_pretrained(name)
+    folder = os.path.join(training_args.output_dir, "embedded_tokenizer")
+    with training_args.main_process_first(desc="training the WordPiece tokenizer"):
+        if training_args.process_index == 0 or not os.path.isdir(folder):
+            contexts = sorted(set(train_raw["context"]))
+            return build_wordpiece_tokenizer(contexts + list(train_raw["question"]), out_dir=folder)
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def build_model(model_args, tokenizer):
+    if model_args.model_name_or_path:
+        return AutoModelForQuestionAnswering.from_pretrained(model_args.model_name_or_path)
+    config = BertConfig(vocab_size=len(tokenizer), **MODEL_CONFIGS[model_args.model_config])
+    return BertForQuestionAnswering(config)
+
+
+def build_trainer(opt_args, **kwargs):
+    args = kwargs["args"]
+    if opt_args.optimizer == "birder":
+        return BirderTrainer(birder_args=opt_args, **kwargs)  # Birder: optimizer, 1-bit hook, per-rank state
+    if opt_args.optimizer == "sgdm":
+        sgd = (
+            torch.optim.SGD,
+            dict(lr=args.learning_rate, momentum=opt_args.momentum, weight_decay=args.weight_decay),
+        )
+        return Trainer(optimizer_cls_and_kwargs=sgd, **kwargs)
+    return Trainer(**kwargs)  # AdamW with fp32 all-reduce: the uncompressed baseline
+
+
+def evaluate_squad(trainer, eval_raw, eval_features, data_args):
+    model_inputs = eval_features.remove_columns(["example_id", "offset_mapping"])
+    output = trainer.predict(model_inputs)
+    start_logits, end_logits = output.predictions[:2] if isinstance(output.predictions, tuple) else output.predictions
+    predictions = postprocess_qa_predictions(
+        eval_raw, eval_features, start_logits, end_logits, data_args.n_best_size, data_args.max_answer_length
+    )
+    return {f"eval_{k}": v for k, v in squad_metrics(predictions, eval_raw).items()}, predictions
+
+
+def train(model_args, data_args, opt_args, training_args):
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    if not training_args.should_log:
+        logging.getLogger().setLevel(logging.WARNING)
+    check_really_distributed(training_args.world_size)  # the accelerate --multi_gpu-on-CPU trap
+    logger.info("world size %d, optimizer %s (%s)", training_args.world_size, opt_args.optimizer, opt_args.comm_method)
+
+    train_raw, eval_raw = build_datasets(data_args, training_args)
+    if data_args.max_train_samples:
+        train_raw = train_raw.select(range(min(data_args.max_train_samples, len(train_raw))))
+    if data_args.max_eval_samples:
+        eval_raw = eval_raw.select(range(min(data_args.max_eval_samples, len(eval_raw))))
+    tokenizer = build_tokenizer(model_args, train_raw, training_args)
+    torch.manual_seed(training_args.seed)
+    model = build_model(model_args, tokenizer)
+
+    window = dict(tokenizer=tokenizer, max_seq_length=data_args.max_seq_length, doc_stride=data_args.doc_stride)
+    with training_args.main_process_first(desc="tokenizing"):
+        train_features = train_raw.map(
+            prepare_train_features, batched=True, remove_columns=train_raw.column_names, fn_kwargs=window
+        )
+        eval_features = eval_raw.map(
+            prepare_eval_features, batched=True, remove_columns=eval_raw.column_names, fn_kwargs=window
+        )
+
+    trainer = build_trainer(
+        opt_args,
+        model=model,
+        args=training_args,
+        train_dataset=train_features,
+        data_collator=default_data_collator,
+        processing_class=tokenizer,
+    )
+    train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    metrics = dict(train_result.metrics)
+    eval_metrics, predictions = evaluate_squad(trainer, eval_raw, eval_features, data_args)
+    metrics.update(eval_metrics)
+
+    state = getattr(trainer, "birder_hook_state", None)
+    metrics.update(world_size=training_args.world_size, optimizer=opt_args.optimizer)
+    if state is not None:  # Birder: what the 1-bit hook saved
+        metrics.update({k: v for k, v in state.stats.as_dict("comm/").items()})
+        metrics["comm/topology"] = repr(state.topology)
+        metrics["comm/method"] = opt_args.comm_method
+    trainer.save_model()  # save_pretrained: config, weights (safetensors), tokenizer
+    trainer.save_metrics("all", metrics)  # all_results.json
+    trainer.save_state()
+    if trainer.is_world_process_zero():
+        with open(os.path.join(training_args.output_dir, "eval_predictions.json"), "w") as f:
+            json.dump(predictions, f, indent=1)
+    kwargs = dict(
+        finetuned_from=model_args.model_name_or_path,
+        tasks="question-answering",
+        dataset=data_args.dataset_name or "embedded synthetic SQuAD",
+    )
+    if training_args.push_to_hub:
+        trainer.push_to_hub(**kwargs)
+    else:
+        trainer.create_model_card(**kwargs)
+    if trainer.is_world_process_zero():
+        _summary(metrics)
+    return metrics
+
+
+def _summary(m):
+    line = f"EM {m['eval_exact_match']:.1f}  F1 {m['eval_f1']:.1f}  ({m['optimizer']}, world size {m['world_size']})"
+    if "comm/fp32_allreduce_bytes" in m:
+        sent = m["comm/intra_node_bytes"] + m["comm/inter_node_bytes"]
+        line += (
+            f"\nbytes sent per rank: {sent / 1e6:.2f} MB (inter-node {m['comm/inter_node_bytes'] / 1e6:.2f} MB) "
+            f"instead of {m['comm/fp32_allreduce_bytes'] / 1e6:.1f} MB for fp32 all-reduce: "
+            f"{m['comm/compression_ratio']:.1f}x less"
+        )
+    print(line, flush=True)
+
+
+def main(argv=None):
+    return train(*parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

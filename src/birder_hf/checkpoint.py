@@ -1,0 +1,134 @@
+"""Per-rank checkpoints of Birder's optimizer state.
+
+Birder's ``m`` and ``b`` are EMAs of each rank's *own* gradients, so they differ between ranks
+(``docs/ALGORITHM.md``). Frameworks save only rank 0's optimizer state and load it on every rank; a
+resume through that path would silently give every rank rank 0's ``m`` and ``b``, which changes the
+run. So every rank writes its own full ``optimizer.state_dict()`` next to the framework's files:
+
+    <checkpoint>/birder/rank_00000-of-00004.pt, rank_00001-of-00004.pt, ...
+
+and loads its own on resume. What is saved: every tensor and number of the optimizer state (``step``,
+``exp_avg``, ``exp_avg_abs``, ``max_exp_avg_abs``) and the param groups, including the ``seed`` of the
+counter-based random bits; nothing else is rank-local (the bits are a function of seed, step,
+parameter and rank), so a resume continues bit for bit. Files hold plain tensors and numbers and
+load with ``torch.load(weights_only=True)``. They are written to a temporary file, flushed to disk and
+renamed into place, so a crash never leaves a half-written file under the final name.
+
+Resuming with another world size is allowed on purpose: rank ``r`` loads the state of saved rank
+``r mod old_world_size`` and a warning says so. Every saved state is a valid estimate of the same
+gradient statistics; only the per-rank history changes. A missing or unreadable file for the current
+layout is an error, never a silent reset.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import warnings
+
+import torch
+
+__all__ = ["save_rank_state", "load_rank_state", "rank_state_path", "SUBDIR"]
+
+SUBDIR = "birder"
+_FORMAT = 1
+_NAME = re.compile(r"^rank_(\d{5})-of-(\d{5})\.pt$")
+
+
+def _unwrap(optimizer):
+    # accelerate's AcceleratedOptimizer and similar wrappers keep the real optimizer in .optimizer
+    while not hasattr(optimizer, "param_index") and hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if rank is None or world_size is None:
+        import torch.distributed as dist
+
+        on = dist.is_available() and dist.is_initialized()
+        rank = (dist.get_rank() if on else 0) if rank is None else rank
+        world_size = (dist.get_world_size() if on else 1) if world_size is None else world_size
+    return int(rank), int(world_size)
+
+
+def rank_state_path(checkpoint_dir: str, rank: int, world_size: int) -> str:
+    return os.path.join(checkpoint_dir, SUBDIR, f"rank_{rank:05d}-of-{world_size:05d}.pt")
+
+
+def save_rank_state(optimizer, checkpoint_dir: str, *, rank: int | None = None, world_size: int | None = None) -> str:
+    """Write this rank's optimizer state under ``checkpoint_dir/birder/`` atomically; return the path."""
+    opt = _unwrap(optimizer)
+    rank, world_size = _rank_and_world(rank, world_size)
+    path = rank_state_path(checkpoint_dir, rank, world_size)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    payload = {"format": _FORMAT, "rank": rank, "world_size": world_size, "optimizer": opt.state_dict()}
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=os.path.dirname(path))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def _saved_world_size(checkpoint_dir: str) -> int | None:
+    folder = os.path.join(checkpoint_dir, SUBDIR)
+    if not os.path.isdir(folder):
+        return None
+    worlds = {int(m.group(2)) for m in map(_NAME.match, os.listdir(folder)) if m}
+    if len(worlds) > 1:
+        raise RuntimeError(f"{folder} holds Birder states of several world sizes {sorted(worlds)}; keep one set.")
+    return worlds.pop() if worlds else None
+
+
+def read_rank_state(
+    checkpoint_dir: str, *, rank: int | None = None, world_size: int | None = None, map_location="cpu"
+) -> dict:
+    """Read (and validate) the optimizer state dict this rank must resume from."""
+    rank, world_size = _rank_and_world(rank, world_size)
+    saved_world = _saved_world_size(checkpoint_dir)
+    if saved_world is None:
+        raise FileNotFoundError(
+            f"No Birder per-rank optimizer state under {os.path.join(checkpoint_dir, SUBDIR)}. Birder's state is "
+            "rank-local and is saved by birder_hf (BirderTrainer, register_birder_hook or save_rank_state); resume "
+            "from a checkpoint written that way, or start a fresh run."
+        )
+    source = rank if saved_world == world_size else rank % saved_world
+    if saved_world != world_size:
+        warnings.warn(
+            f"Resuming Birder with world size {world_size} from a checkpoint of world size {saved_world}: rank {rank} "
+            f"takes the optimizer state of saved rank {source}. Training goes on; the run is no longer bit-for-bit "
+            "the same as an uninterrupted one.",
+            UserWarning,
+            stacklevel=2,
+        )
+    path = rank_state_path(checkpoint_dir, source, saved_world)
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"Birder state {path} is missing (the checkpoint of {saved_world} ranks is incomplete)."
+        )
+    try:
+        payload = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:
+        raise RuntimeError(
+            f"Birder state {path} could not be read ({type(exc).__name__}: {exc}); it is corrupt."
+        ) from exc
+    if not isinstance(payload, dict) or payload.get("format") != _FORMAT or "optimizer" not in payload:
+        raise RuntimeError(f"Birder state {path} is not a birder_hf per-rank state (format {_FORMAT}).")
+    if payload["rank"] != source or payload["world_size"] != saved_world:
+        raise RuntimeError(f"Birder state {path} claims rank {payload['rank']} of {payload['world_size']}; renamed?")
+    return payload["optimizer"]
+
+
+def load_rank_state(optimizer, checkpoint_dir: str, *, rank: int | None = None, world_size: int | None = None) -> None:
+    """Load this rank's own optimizer state from ``checkpoint_dir/birder/`` (see the module docstring)."""
+    opt = _unwrap(optimizer)
+    state = read_rank_state(checkpoint_dir, rank=rank, world_size=world_size)
+    opt.load_state_dict(state)

@@ -1,0 +1,1 @@
+"""Thin integrations with accelerate, transformers and timm; each imports its framework lazily."""

@@ -1,0 +1,116 @@
+"""Birder with Hugging Face ``accelerate``: register the 1-bit hook after ``accelerator.prepare``.
+
+::
+
+    accelerator = Accelerator()
+    model, optimizer, loader = accelerator.prepare(model, Birder(model.parameters(), lr=4e-3), loader)
+    state = register_birder_hook(accelerator, model, optimizer, method="hierarchical")   # Birder:
+    for batch in loader:
+        with accelerator.accumulate(model):           # no_sync for the micro-batches before the last
+            accelerator.backward(loss_fn(model, batch))
+            optimizer.step()
+            optimizer.zero_grad()
+    accelerator.save_state(path)   # also writes every rank's Birder state (path/birder/)
+    accelerator.load_state(path)   # and every rank loads its own
+
+``accelerate``'s ``DistributedDataParallelKwargs(comm_hook=...)`` only takes its built-in hooks (a
+callable is ignored), hence this function. Do not call ``accelerator.clip_grad_norm_`` with Birder:
+after the hook, ``.grad`` holds the direction ``d``, whose step is already bounded by ``lr``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from ..checkpoint import read_rank_state, save_rank_state
+from ..hook import BirderHookState, birder_hook
+from ..optim import Birder
+from ..topology import Topology
+
+__all__ = ["register_birder_hook", "check_really_distributed"]
+
+logger = logging.getLogger(__name__)
+
+
+def check_really_distributed(num_processes: int) -> None:
+    """Raise if the launcher started several processes that each believe they are alone.
+
+    ``accelerate launch --multi_gpu`` on a machine without GPUs starts N processes that each run as
+    rank 0 of 1 (silently undistributed). The launcher's WORLD_SIZE tells the truth.
+    """
+    env_world = int(os.environ.get("WORLD_SIZE", "1"))
+    if env_world > 1 and num_processes != env_world:
+        raise RuntimeError(
+            f"The launcher started WORLD_SIZE={env_world} processes but this one sees a world of {num_processes}: "
+            "the processes are not really distributed. On CPU use `ACCELERATE_USE_CPU=1 accelerate launch "
+            "--multi_gpu --num_processes N ...` or `torchrun --nproc_per_node N ...` (see accelerate_configs/)."
+        )
+
+
+def register_birder_hook(
+    accelerator,
+    model,
+    optimizer,
+    *,
+    topology: Topology | None = None,
+    method: str = "hierarchical",
+    **hook_kwargs,
+) -> BirderHookState | None:
+    """Register :func:`birder_hf.birder_hook` on the DDP model that ``accelerator.prepare`` returned.
+
+    Args:
+        accelerator (`accelerate.Accelerator`): the accelerator that prepared ``model`` and ``optimizer``.
+        model (`DistributedDataParallel`): the model returned by ``prepare``.
+        optimizer (`Birder` or accelerate's wrapper of it): the prepared optimizer.
+        topology (`Topology`, *optional*): defaults to ``Topology.from_env()`` (the launcher's node layout).
+        method (`str`, *optional*, defaults to `"hierarchical"`): see ``onebit_all_reduce``.
+        **hook_kwargs: more ``BirderHookState`` options (``inter_method``, ``chunk_numel``, ...).
+
+    Returns:
+        `BirderHookState` (its ``stats`` hold the bytes sent), or ``None`` in a single process, where
+        Birder needs no communication.
+
+    Also registers ``save_state``/``load_state`` hooks that write and read every rank's own Birder
+    state (``birder_hf.checkpoint``).
+    """
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if not isinstance(inner, Birder):
+        raise TypeError(f"register_birder_hook needs a birder_hf.Birder optimizer, got {type(inner).__name__}.")
+    check_really_distributed(accelerator.num_processes)
+    handler = getattr(accelerator, "ddp_handler", None)
+    builtin = getattr(handler, "comm_hook", None)
+    if builtin is not None and str(getattr(builtin, "value", builtin)).lower() not in ("no", "none"):
+        raise ValueError(
+            f"DistributedDataParallelKwargs(comm_hook={builtin}) already asks for a built-in hook; DDP allows one "
+            "hook per model. Drop comm_hook from the kwargs handler to use Birder's 1-bit hook."
+        )
+    if accelerator.num_processes == 1:
+        _register_checkpoint_hooks(accelerator, inner)
+        logger.info("Birder: single process, no gradient communication to compress.")
+        return None
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(
+            f"Expected the DistributedDataParallel model returned by accelerator.prepare, got {type(model).__name__}."
+        )
+    state = BirderHookState(inner, topology=topology or Topology.from_env(), method=method, **hook_kwargs)
+    model.register_comm_hook(state, birder_hook)
+    _register_checkpoint_hooks(accelerator, inner)
+    logger.info("Birder: 1-bit %s hook registered on %r.", method, state.topology)
+    return state
+
+
+def _register_checkpoint_hooks(accelerator, optimizer: Birder) -> None:
+    def save_pre_hook(models, weights, output_dir):
+        save_rank_state(optimizer, output_dir, rank=accelerator.process_index, world_size=accelerator.num_processes)
+
+    def load_pre_hook(models, input_dir):
+        # accelerate loads rank 0's optimizer state into every rank right after this hook; Birder then
+        # takes this rank's own state instead (see Birder.load_state_dict and birder_hf.checkpoint).
+        state = read_rank_state(input_dir, rank=accelerator.process_index, world_size=accelerator.num_processes)
+        optimizer._rank_state_override = state
+
+    accelerator.register_save_state_pre_hook(save_pre_hook)
+    accelerator.register_load_state_pre_hook(load_pre_hook)

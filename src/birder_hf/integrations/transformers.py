@@ -1,0 +1,239 @@
+"""Birder with the Hugging Face ``Trainer``: ``BirderTrainer`` (or ``BirderTrainerMixin`` for your subclass).
+
+One line for users: ``Trainer(...)`` becomes ``BirderTrainer(..., birder_args=BirderArguments())``.
+
+Why a subclass and not only a callback: a ``TrainerCallback`` sees the unwrapped model, not the DDP
+module the hook must be registered on, and it cannot put numbers into the logs that TensorBoard and
+friends receive, nor learn which checkpoint a resume starts from. The subclass uses public seams
+only: ``create_optimizer`` (Birder by default), ``train`` (remembers ``resume_from_checkpoint``),
+``log`` (adds communication statistics), ``create_model_card`` (names Birder), plus a callback it
+installs itself for ``on_train_begin`` (after DDP wrapping and the framework's optimizer load: registers
+the hook, loads this rank's own Birder state) and ``on_save`` (writes every rank's Birder state).
+For your own Trainer subclass: ``class MyTrainer(BirderTrainerMixin, Seq2SeqTrainer): ...``.
+``optimizer_cls_and_kwargs=(Birder, {...})`` and ``optimizers=(Birder(...), None)`` work too.
+
+What it changes, on purpose:
+- ``max_grad_norm``: the Trainer would clip ``.grad`` after backward, which with the hook holds the
+  direction ``d`` (each step is already bounded by ``lr``, by construction); clipping it is meaningless,
+  so a positive ``max_grad_norm`` (default 1.0) is set to 0 with a warning.
+- ``fp16`` (loss scaling) is refused: a skipped, scaled step would corrupt the EMAs. Use ``bf16``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ..checkpoint import read_rank_state, save_rank_state
+from ..hook import BirderHookState, birder_hook
+from ..optim import Birder
+from ..topology import Topology
+from .accelerate import check_really_distributed
+
+try:
+    from transformers import Trainer, TrainerCallback
+    from transformers.trainer_utils import get_last_checkpoint
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "birder_hf.integrations.transformers needs transformers: pip install 'birder-hf[transformers]'"
+    ) from exc
+
+__all__ = ["BirderArguments", "BirderTrainerMixin", "BirderTrainer", "BirderCallback", "birder_model_card_section"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class BirderArguments:
+    """Birder's settings, parsed by ``HfArgumentParser`` next to ``TrainingArguments``."""
+
+    beta: float = field(default=0.95, metadata={"help": "EMA factor of m and b (the paper's beta)."})
+    comm_method: str = field(
+        default="hierarchical",
+        metadata={"help": "1-bit all-reduce: allgather | scatter_gather | hierarchical (node x GPU layout)."},
+    )
+    inter_method: str = field(
+        default="allgather", metadata={"help": "hierarchical only: inter-node exchange, allgather | scatter_gather."}
+    )
+    chunk_numel: int | None = field(
+        default=None, metadata={"help": "Elements per collective (bounds receive buffers; higher => fewer calls)."}
+    )
+    amsgrad: bool = field(default=False, metadata={"help": "Use max_t b_t (the theory's variant)."})
+    num_nodes: int | None = field(
+        default=None,
+        metadata={
+            "help": "Override the launcher's node layout (LOCAL_WORLD_SIZE): split the ranks into this many nodes, "
+            "e.g. --num_nodes 2 with 4 processes on one machine simulates 2 nodes x 2 for the hierarchical method."
+        },
+    )
+
+    def topology(self) -> Topology:
+        """The topology these arguments ask for (collective: every rank must call it)."""
+        if self.num_nodes is None:
+            return Topology.from_env()
+        import torch.distributed as dist
+
+        world = dist.get_world_size()
+        if world % self.num_nodes:
+            raise ValueError(f"--num_nodes {self.num_nodes} does not divide the world size {world}.")
+        return Topology.from_layout(self.num_nodes, world // self.num_nodes)
+
+    def __post_init__(self):
+        if self.comm_method not in ("allgather", "scatter_gather", "hierarchical"):
+            raise ValueError(f"comm_method={self.comm_method!r}; choose allgather, scatter_gather or hierarchical.")
+        if not 0.0 <= self.beta < 1.0:
+            raise ValueError(f"beta={self.beta} must lie in [0, 1).")
+
+
+def _inner(optimizer):
+    while optimizer is not None and not isinstance(optimizer, Birder) and hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+class BirderCallback(TrainerCallback):
+    """Registers the 1-bit hook and saves/loads per-rank Birder state; installed by ``BirderTrainerMixin``."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        trainer = self.trainer
+        opt = _inner(trainer.optimizer)
+        if not isinstance(opt, Birder):
+            raise TypeError(f"BirderTrainer needs a Birder optimizer, got {type(opt).__name__}.")
+        if trainer._birder_resume_dir is not None:
+            # the Trainer just loaded rank 0's optimizer.pt into every rank; take this rank's own state
+            opt.load_state_dict(
+                read_rank_state(trainer._birder_resume_dir, rank=args.process_index, world_size=args.world_size)
+            )
+        check_really_distributed(args.world_size)
+        model = trainer.model_wrapped
+        if args.world_size == 1 or trainer.birder_hook_state is not None:
+            return
+        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise TypeError(f"Birder's 1-bit hook needs DDP; the Trainer wrapped the model in {type(model).__name__}.")
+        b = trainer.birder_args
+        trainer.birder_hook_state = BirderHookState(
+            opt,
+            topology=b.topology(),
+            method=b.comm_method,
+            inter_method=b.inter_method,
+            chunk_numel=b.chunk_numel,
+        )
+        model.register_comm_hook(trainer.birder_hook_state, birder_hook)
+        logger.info("Birder: 1-bit %s hook registered on %r", b.comm_method, trainer.birder_hook_state.topology)
+
+    def on_save(self, args, state, control, **kwargs):
+        path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        save_rank_state(self.trainer.optimizer, path, rank=args.process_index, world_size=args.world_size)
+
+
+class BirderTrainerMixin:
+    """Mix into any ``transformers.Trainer`` subclass (first in the bases) to train with Birder."""
+
+    def __init__(self, *args, birder_args: BirderArguments | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.birder_args = birder_args if birder_args is not None else BirderArguments()
+        self.birder_hook_state: BirderHookState | None = None
+        self._birder_resume_dir: str | None = None
+        if self.args.fp16:
+            raise ValueError(
+                "Birder does not support fp16 with loss scaling (a scaled, skipped step would corrupt m and b); "
+                "use --bf16 instead."
+            )
+        if self.args.max_grad_norm and self.args.max_grad_norm > 0:
+            logger.warning(
+                "Birder: max_grad_norm=%s set to 0. After the 1-bit hook, .grad holds the direction d, whose step "
+                "is bounded by lr by construction; clipping it would be meaningless.",
+                self.args.max_grad_norm,
+            )
+            self.args.max_grad_norm = 0.0
+        self.add_callback(BirderCallback(self))
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None and self.optimizer_cls_and_kwargs is None:
+            self.optimizer_cls_and_kwargs = (
+                Birder,
+                dict(
+                    lr=self.args.learning_rate,
+                    beta=self.birder_args.beta,
+                    weight_decay=self.args.weight_decay,
+                    amsgrad=self.birder_args.amsgrad,
+                    seed=self.args.seed,
+                ),
+            )
+        return super().create_optimizer(model) if model is not None else super().create_optimizer()
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No checkpoint found in {self.args.output_dir} to resume from.")
+        self._birder_resume_dir = resume_from_checkpoint or None
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        state = self.birder_hook_state
+        if state is not None and "loss" in logs and state.steps_communicated:
+            logs.update(state.stats.as_dict("birder/"))
+            logs["birder/skipped_steps"] = state.skipped_steps
+        super().log(logs, *args, **kwargs)
+
+    def create_model_card(self, *args, **kwargs) -> None:
+        super().create_model_card(*args, **kwargs)
+        if not self.is_world_process_zero():
+            return
+        path = os.path.join(self.args.output_dir, "README.md")
+        if not os.path.exists(path):
+            return
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+        opt = _inner(self.optimizer)
+        line = f"- optimizer: {_describe(opt, self.birder_args)}"
+        lines = [line if ln.startswith("- optimizer:") else ln for ln in lines]
+        if line not in lines:
+            lines.append(line)
+        text = "\n".join(lines) + "\n\n" + birder_model_card_section(opt, self.birder_args)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+
+
+class BirderTrainer(BirderTrainerMixin, Trainer):
+    """``transformers.Trainer`` that trains with Birder and its 1-bit hook (see the module docstring)."""
+
+
+def _describe(opt, b: BirderArguments) -> str:
+    g = opt.param_groups[0] if opt is not None else {}
+    return (
+        f"Birder (1-bit adaptive, Peng et al. NeurIPS 2023; birder-hf) with lr={g.get('lr')}, beta={g.get('beta')}, "
+        f"weight_decay={g.get('weight_decay')}, amsgrad={g.get('amsgrad')}, comm_method={b.comm_method}, "
+        f"inter_method={b.inter_method}"
+    )
+
+
+def birder_model_card_section(opt, b: BirderArguments) -> str:
+    """A model-card section that names Birder, its settings and the paper."""
+    settings = {**asdict(b), **({"seed": opt.seed} if opt is not None else {})}
+    rows = "\n".join(f"| {k} | {v} |" for k, v in settings.items())
+    return f"""## Trained with Birder
+
+This model was trained with [birder-hf](https://openreview.net/forum?id=Mlo2kM11ZB): the Birder optimizer
+sends 1 bit per parameter per step between workers (Hierarchical-1-bit-All-Reduce) instead of 32.
+
+| setting | value |
+|---|---|
+{rows}
+
+```bibtex
+@inproceedings{{birder2023,
+    title={{Birder: Communication-Efficient 1-bit Adaptive Optimizer for Practical Distributed DNN Training}},
+    author={{Hanyang Peng, Shuang Qin, Yue Yu, Jin Wang, Hui Wang, Ge Li}},
+    booktitle={{Advances in Neural Information Processing Systems}},
+    year={{2023}}
+}}
+```
+"""

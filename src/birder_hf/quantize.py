@@ -1,0 +1,369 @@
+"""Binary randomization (the 1-bit quantizer of Birder), counter-based random bits and bit packing.
+
+Paper: `Birder: Communication-Efficient 1-bit Adaptive Optimizer for Practical Distributed DNN
+Training` (Peng et al., NeurIPS 2023) - https://openreview.net/forum?id=Mlo2kM11ZB
+
+Binary randomization maps ``u`` in ``[-1, 1]`` to ``q`` in ``{-1, +1}`` with
+
+.. math::
+    P(q_j = +1) = (1 + u_j) / 2, \\qquad E[q_j] = u_j .
+
+Our reconstruction (the paper's code was not available to us) draws the randomness from a
+*counter-based* generator: element ``j`` of a tensor identified by ``key`` gets the 32-bit hash
+``h(key, j)``, never a value consumed from a stream in order. The bits therefore do not depend on how
+a tensor is split into DDP buckets, shards or chunks, which makes resume exact and lets any rank
+re-create any other rank's draw. The 24 high bits of the hash give an integer ``r`` uniform on
+``[-2^23, 2^23)``, and
+
+.. math::
+    q_j = +1 \\iff r < u_j \\cdot 2^{23} .
+
+Both sides are exact in float32, so every device and the float64 reference agree bit for bit.
+``P(q_j = +1) = (\\lceil u_j 2^{23} \\rceil + 2^{23}) / 2^{24}``: the resolution is ``2^{-24}`` and the
+bias ``E[q_j] - u_j`` lies in ``[0, 2^{-23})``.
+
+Bits are packed little-endian, 8 to a byte: bit ``k`` of byte ``i`` holds element ``8 i + k``
+(``True`` = +1), and the last byte is padded with zeros.
+
+This module never imports ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "binary_randomize",
+    "pack_bits",
+    "unpack_bits",
+    "quantize_bits",
+    "quantize_pack",
+    "add_votes_",
+    "derive_key",
+    "random_int24",
+    "BitKeys",
+    "set_codec_compile",
+]
+
+_M32 = 0xFFFFFFFF
+_M64 = 0xFFFFFFFFFFFFFFFF
+
+# Stages of the 1-bit all-reduce; each draws from its own part of the key space.
+STAGE_WORKER = 0  # a worker quantizes its own u
+STAGE_SHARD = 1  # the owner of a shard re-quantizes the mean of the votes it received
+STAGE_NODE = 2  # hierarchical: a node re-quantizes its node-level mean
+STAGE_INTER_SHARD = 3  # hierarchical + scatter_gather: the inter-node shard owner re-quantizes
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def derive_key(*words: int) -> tuple[int, int]:
+    """Mix integer words (seed, step, parameter, stage, rank, ...) into a key of two 32-bit words."""
+    x = 0x243F6A8885A308D3
+    for w in words:
+        x = _splitmix64(x ^ (int(w) & _M64))
+    return x & _M32, x >> 32
+
+
+def _to_i32(x: int) -> int:
+    x &= _M32
+    return x - (1 << 32) if x >= (1 << 31) else x
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    # A 32-bit xorshift-multiply finalizer on int32 tensors. Multiplication wraps modulo 2^32 and the
+    # masks turn arithmetic right shifts into logical ones, so this is exactly the uint32 hash.
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * 0x21F0AAAD
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * 0x735A2D97
+    return x ^ ((x >> 15) & 0x1FFFF)
+
+
+def _int24(numel: int, params: torch.Tensor, device) -> torch.Tensor:
+    # params = [k1, k2, offset] as int32; two hash rounds keyed by both key words. The counter is taken
+    # modulo 2^32. Returns int32 r, uniform on [-2^23, 2^23) (the arithmetic shift of the hash by 8).
+    idx = torch.arange(numel, dtype=torch.int32, device=device) + params[2]
+    return _hash32(_hash32(idx ^ params[0]) ^ params[1]) >> 8
+
+
+def _key_params(key: tuple[int, int], offset: int, device) -> torch.Tensor:
+    return torch.tensor([_to_i32(key[0]), _to_i32(key[1]), _to_i32(offset)], dtype=torch.int32, device=device)
+
+
+def random_int24(numel: int, key: tuple[int, int], offset: int = 0, device=None) -> torch.Tensor:
+    """The random integers ``r`` in ``[-2^23, 2^23)`` (int32) for counters ``offset .. offset+numel-1``."""
+    return _int24(numel, _key_params(key, offset, device), device)
+
+
+def _bits_impl(u: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    # 1 iff r < u * 2^23, i.e. r < ceil(u * 2^23) for the integer r; pure integer arithmetic (no masks)
+    # so that the compiled kernel vectorizes (a clamp here made it 4x slower). u must lie in [-1, 1].
+    u = u.reshape(-1).to(torch.float32)
+    thr = torch.ceil(u * 8388608.0).to(torch.int32)  # 2^23
+    return ((_int24(u.numel(), params, u.device) - thr) >> 31) & 1
+
+
+def _pack_impl(bits: torch.Tensor) -> torch.Tensor:
+    b = bits.reshape(-1, 8).to(torch.int32)
+    out = b[:, 0]
+    for k in range(1, 8):
+        out = out | (b[:, k] << k)
+    return out.to(torch.uint8)
+
+
+def _quantize_pack_impl(u: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    return _pack_impl(_bits_impl(u, params))
+
+
+def _quantize_bits_impl(u: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    return _bits_impl(u, params).to(torch.bool)
+
+
+def _unpack_impl(packed: torch.Tensor) -> torch.Tensor:
+    # uint8 0/1 (viewed as bool by the caller): compiled bool stores are several times slower here
+    b = packed.reshape(-1, 1).to(torch.int32)
+    shifts = torch.arange(8, dtype=torch.int32, device=packed.device)
+    return ((b >> shifts) & 1).reshape(-1).to(torch.uint8)
+
+
+def _add_votes_impl(counts: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return counts + _unpack_impl(packed).to(counts.dtype)
+
+
+class _Codec:
+    """Eager kernels, replaced by ``torch.compile``-d ones the first time they can be built.
+
+    Compiled and eager kernels are bitwise identical (tested); compiling fuses hash, threshold and
+    packing into one pass near memory bandwidth (``benchmarks/codec.py``).
+    """
+
+    _EAGER = {
+        "quantize_pack": _quantize_pack_impl,
+        "bits": _quantize_bits_impl,
+        "pack": _pack_impl,
+        "unpack": _unpack_impl,
+        "add_votes": _add_votes_impl,
+    }
+
+    def __init__(self):
+        self.enabled = True
+        self._compiled: dict[str, object] = {}
+        self._failed = False
+        self._lock = threading.Lock()
+
+    def get(self, name: str):
+        if not self.enabled or self._failed:
+            return self._EAGER[name]
+        fn = self._compiled.get(name)
+        if fn is None:
+            with self._lock:
+                fn = self._compiled.get(name)
+                if fn is None:
+                    fn = torch.compile(self._EAGER[name], dynamic=True, fullgraph=True)
+                    self._compiled[name] = fn
+        return fn
+
+    def __call__(self, name: str, *args):
+        fn = self.get(name)
+        if fn is self._EAGER[name]:
+            return fn(*args)
+        try:
+            return fn(*args)
+        except Exception as exc:  # no C++ compiler, unsupported device, ...
+            self._failed = True
+            warnings.warn(
+                f"birder_hf: torch.compile of the 1-bit codec failed ({type(exc).__name__}: {exc}); "
+                "falling back to eager kernels (bitwise identical, slower). "
+                "Call birder_hf.quantize.set_codec_compile(False) to silence this.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return self._EAGER[name](*args)
+
+
+_codec = _Codec()
+
+# Below this many elements the eager kernels are faster than a compiled call's overhead.
+_MIN_COMPILED_NUMEL = 1 << 16
+
+
+def set_codec_compile(enabled: bool) -> None:
+    """Use ``torch.compile``-d codec kernels (default) or eager ones (no compiler needed)."""
+    _codec.enabled = bool(enabled)
+
+
+def _run(name: str, numel: int, *args):
+    if numel < _MIN_COMPILED_NUMEL:
+        return _Codec._EAGER[name](*args)
+    return _codec(name, *args)
+
+
+def quantize_bits(u: torch.Tensor, key: tuple[int, int], offset: int = 0) -> torch.Tensor:
+    """Binary randomization of ``u`` (any shape) as a flat bool tensor (``True`` = +1).
+
+    ``u`` must be finite and lie in ``[-1, 1]`` (the optimizer guarantees it; :func:`binary_randomize`
+    clamps); other values give unspecified bits. ``offset`` is the counter of ``u``'s first element.
+    """
+    return _run("bits", u.numel(), u, _key_params(key, offset, u.device))
+
+
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Pack a bool (or 0/1) tensor of any length into ``ceil(n / 8)`` uint8, little-endian."""
+    bits = bits.reshape(-1)
+    n = bits.numel()
+    full = n - n % 8
+    parts = []
+    if full:
+        parts.append(_run("pack", full, bits[:full].bool()))
+    if n % 8:
+        tail = torch.zeros(8, dtype=torch.bool, device=bits.device)
+        tail[: n % 8] = bits[full:].bool()
+        parts.append(_pack_impl(tail))
+    if not parts:
+        return torch.empty(0, dtype=torch.uint8, device=bits.device)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: the first ``numel`` bits of ``packed`` as a bool tensor."""
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"unpack_bits expects a uint8 tensor, got {packed.dtype}")
+    if not 0 <= numel <= 8 * packed.numel():
+        raise ValueError(f"numel={numel} does not fit in {packed.numel()} packed bytes (at most {8 * packed.numel()})")
+    return _run("unpack", numel, packed.reshape(-1))[:numel].view(torch.bool)
+
+
+def quantize_pack(u: torch.Tensor, key: tuple[int, int], offset: int = 0) -> torch.Tensor:
+    """Binary randomization of ``u`` fused with :func:`pack_bits`: ``ceil(u.numel() / 8)`` uint8.
+
+    Same contract as :func:`quantize_bits`; one pass over ``u`` when compiled.
+    """
+    u = u.reshape(-1)
+    n = u.numel()
+    full = n - n % 8
+    if n % 8 == 0:
+        return _run("quantize_pack", n, u, _key_params(key, offset, u.device))
+    head = _run("quantize_pack", full, u[:full], _key_params(key, offset, u.device)) if full else None
+    tail = pack_bits(quantize_bits(u[full:], key, offset + full))
+    return tail if head is None else torch.cat([head, tail])
+
+
+def add_votes_(counts: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """``counts += unpack_bits(packed)`` for an integer ``counts`` whose length is a multiple of 8.
+
+    Accumulates the number of +1 votes without materialising the unpacked bits of every rank.
+    """
+    if counts.numel() != 8 * packed.numel():
+        raise ValueError(f"counts has {counts.numel()} elements, packed bits describe {8 * packed.numel()}")
+    counts.copy_(_run("add_votes", counts.numel(), counts, packed.reshape(-1)))
+    return counts
+
+
+def binary_randomize(u: torch.Tensor, generator: torch.Generator | int | tuple[int, int] | None = None):
+    """Return ``q`` in ``{-1, +1}`` (same shape and dtype as ``u``) with ``E[q] = u`` for ``u`` in [-1, 1].
+
+    Args:
+        u (`torch.Tensor`): values in ``[-1, 1]``; values outside are clamped by the rule (``u >= 1``
+            always gives +1, ``u <= -1`` always -1) and NaN gives -1.
+        generator (`torch.Generator`, `int` or key, *optional*): where the key of the counter-based
+            draw comes from: a ``torch.Generator`` (two 32-bit words are drawn from it), an integer
+            seed, a key from :func:`derive_key`, or ``None`` for torch's default generator.
+
+    Returns:
+        `torch.Tensor`: ``q`` with ``P(q = +1) = (1 + u) / 2`` up to the ``2^-24`` resolution above.
+
+    Example::
+
+        >>> u = torch.full((100_000,), 0.5)
+        >>> q = binary_randomize(u, generator=0)
+        >>> abs(q.mean().item() - 0.5) < 0.01
+        True
+    """
+    if isinstance(generator, tuple):
+        key = generator
+    elif isinstance(generator, int):
+        key = derive_key(generator)
+    else:
+        words = torch.randint(0, 1 << 31, (2,), generator=generator, dtype=torch.int64)
+        key = derive_key(int(words[0]), int(words[1]))
+    bits = quantize_bits(u.detach().float().clamp(-1.0, 1.0).nan_to_num(-1.0), key)
+    one = torch.ones((), dtype=u.dtype, device=u.device)
+    return torch.where(bits, one, -one).reshape(u.shape)
+
+
+class BitKeys:
+    """Keys for a flat buffer made of consecutive segments, one per parameter.
+
+    Element ``i`` of segment ``s`` gets counter ``i`` under the key
+    ``derive_key(seed, step, segment_ids[s], stage, who)``, so its random bit does not depend on where
+    the segment sits in a DDP bucket, a shard or a chunk.
+
+    Args:
+        seed (`int`): the optimizer's seed.
+        step (`int` or `Sequence[int]`): the optimizer step the draw belongs to (or one per segment).
+        segment_ids (`Sequence[int]`): a stable id per segment (the parameter's index in the optimizer).
+        segment_sizes (`Sequence[int]`): the number of elements of each segment.
+    """
+
+    __slots__ = ("seed", "steps", "ids", "starts", "numel")
+
+    def __init__(self, seed: int, step: int | Sequence[int], segment_ids: Sequence[int], segment_sizes: Sequence[int]):
+        if len(segment_ids) != len(segment_sizes):
+            raise ValueError("segment_ids and segment_sizes must have the same length")
+        steps = [int(step)] * len(segment_ids) if isinstance(step, int) else [int(s) for s in step]
+        if len(steps) != len(segment_ids):
+            raise ValueError("give one step, or one step per segment")
+        self.seed, self.steps = int(seed), steps
+        self.ids = [int(i) for i in segment_ids]
+        starts, total = [], 0
+        for size in segment_sizes:
+            starts.append(total)
+            total += int(size)
+        self.starts = starts
+        self.numel = total
+
+    @classmethod
+    def single(cls, seed: int, step: int, numel: int, segment_id: int = 0) -> BitKeys:
+        return cls(seed, step, [segment_id], [numel])
+
+    def key(self, segment: int, stage: int, who: int) -> tuple[int, int]:
+        """The key of segment ``segment`` at ``stage`` drawn by ``who`` (a rank, or a node)."""
+        return derive_key(self.seed, self.steps[segment], self.ids[segment], stage, who)
+
+    def _pieces(self, start: int, stop: int):
+        # (segment, offset inside the segment, start in [start, stop), stop) for every overlap
+        ends = self.starts[1:] + [self.numel]
+        for s, (a, b) in enumerate(zip(self.starts, ends)):
+            lo, hi = max(a, start), min(b, stop)
+            if lo < hi:
+                yield s, lo - a, lo, hi
+
+    def quantize_pack(self, u: torch.Tensor, start: int, stage: int, who: int) -> torch.Tensor:
+        """Packed bits of ``u``, the flat range ``[start, start + u.numel())`` of the buffer.
+
+        Elements past ``self.numel`` (padding) are quantized under the last segment's key continued,
+        which keeps them deterministic; callers give padding ``u = -1`` so its bit is always 0.
+        """
+        stop = start + u.numel()
+        pieces = list(self._pieces(start, min(stop, self.numel)))
+        if stop > self.numel:  # padding continues the last segment's counters
+            s = len(self.ids) - 1
+            lo = max(start, self.numel)
+            pieces.append((s, lo - self.starts[s], lo, stop))
+        if len(pieces) == 1:
+            s, off, _, _ = pieces[0]
+            return quantize_pack(u, self.key(s, stage, who), off)
+        bits = torch.empty(u.numel(), dtype=torch.bool, device=u.device)
+        for s, off, lo, hi in pieces:
+            bits[lo - start : hi - start] = quantize_bits(u[lo - start : hi - start], self.key(s, stage, who), off)
+        return pack_bits(bits)

@@ -1,0 +1,50 @@
+"""A slow, paper-literal Birder used as the reference in tests (our reconstruction, see ``optim.py``).
+
+Plain tensor arithmetic, one parameter at a time, no fused kernels: every line is one line of the
+update rule. It draws its bits from the same counter-based generator as :class:`birder_hf.Birder`
+(``random_int24``), so with the same seed both take the same random decisions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .quantize import STAGE_WORKER, derive_key, random_int24
+
+__all__ = ["BirderReference"]
+
+
+class BirderReference:
+    """x <- x - lr * (Q(m / b) + wd * x), m and b EMAs of g and |g| (single process, rank 0)."""
+
+    def __init__(self, params, lr=1e-3, beta=0.95, weight_decay=0.0, *, quantize=True, amsgrad=False, seed=0):
+        self.params = list(params)
+        self.lr, self.beta, self.wd = lr, beta, weight_decay
+        self.quantize, self.amsgrad, self.seed = quantize, amsgrad, seed
+        self.m = [torch.zeros_like(p) for p in self.params]
+        self.b = [torch.zeros_like(p) for p in self.params]
+        self.b_max = [torch.zeros_like(p) for p in self.params]
+        self.t = [0 for _ in self.params]
+
+    @torch.no_grad()
+    def step(self):
+        for i, x in enumerate(self.params):
+            if x.grad is None:
+                continue
+            g = x.grad
+            self.t[i] += 1
+            self.m[i] = self.beta * self.m[i] + (1 - self.beta) * g
+            self.b[i] = self.beta * self.b[i] + (1 - self.beta) * g.abs()
+            b = self.b[i]
+            if self.amsgrad:
+                self.b_max[i] = torch.maximum(self.b_max[i], self.b[i])
+                b = self.b_max[i]
+            u = torch.where(b == 0, torch.zeros_like(b), self.m[i] / b)
+            if self.quantize:
+                key = derive_key(self.seed, self.t[i], i, STAGE_WORKER, 0)
+                r = random_int24(u.numel(), key).view(u.shape).to(torch.float64)
+                # P(q = +1) = (1 + u) / 2: q = +1 iff r < u * 2^23, r uniform on [-2^23, 2^23)
+                d = torch.where(r < u.to(torch.float64) * 2.0**23, 1.0, -1.0).to(x.dtype)
+            else:
+                d = u
+            x.copy_(x - self.lr * (d + self.wd * x))

@@ -1,0 +1,326 @@
+"""Topology: the intra-node and inter-node process groups of the Hierarchical-1-bit-All-Reduce.
+
+Paper: `Birder: Communication-Efficient 1-bit Adaptive Optimizer for Practical Distributed DNN
+Training` (Peng et al., NeurIPS 2023) - https://openreview.net/forum?id=Mlo2kM11ZB
+Official code: https://openi.pcl.ac.cn/c2net_optim/Birder
+Deviations from the paper: none known; the paper's code was not available to us, so how nodes are
+discovered (the launcher's ``LOCAL_WORLD_SIZE`` / ``GROUP_RANK``, a 2-D ``DeviceMesh`` or an explicit
+layout) is our reconstruction.
+
+A topology is ``num_nodes`` nodes of ``local_world_size`` ranks each. Subgroups are built once, by every
+rank in the same order (as ``HierarchicalModelAverager`` does), and the object is passed explicitly to
+:func:`birder_hf.collectives.onebit_all_reduce`; it is never created lazily inside a hook.
+
+The groups are the topology's own (``dedicated=True``), never the default group or a mesh's groups:
+an async 1-bit all-reduce runs its later stages from the backend's callback threads, and DDP itself
+all-reduces on the default group at the same time (``find_unused_parameters=True``); on a shared group
+the two streams of collectives could be issued in different orders on different ranks and mix up.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+
+__all__ = ["Topology"]
+
+
+def _require_initialized(where: str) -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"{where} needs an initialized default process group: call "
+            "torch.distributed.init_process_group(...) first (accelerate's Accelerator() and "
+            "transformers' Trainer do this for you)."
+        )
+
+
+def _build_groups(enumeration: list[list[int]], world_group):
+    # Every rank takes part in creating every subgroup, in the same order. A group of one rank needs
+    # no collective, so none is created (None stands for "just this rank"); a group of all ranks is
+    # the topology's own world group.
+    if len(enumeration[0]) == 1:
+        return None
+    if len(enumeration) == 1:
+        return world_group
+    mine, _ = dist.new_subgroups_by_enumeration(enumeration)
+    return mine
+
+
+class Topology:
+    """Where each rank sits: ``num_nodes`` nodes x ``local_world_size`` ranks.
+
+    Attributes:
+        rank, world_size: this rank and the size of ``world_group``.
+        local_rank, local_world_size (``L``): position inside the node and ranks per node.
+        node_rank, num_nodes (``k``): the node's index and the number of nodes.
+        world_group: the process group spanning all ranks (the flat methods use it).
+        intra_group: the ranks of this node, ordered by ``local_rank``; ``None`` when ``L == 1``.
+        inter_group: the ranks with this ``local_rank`` on every node, ordered by ``node_rank``;
+            ``None`` when ``k == 1``. (``None`` means "only this rank, no collective needed"; do not
+            pass it to ``torch.distributed``, where ``None`` means the default group.)
+        intra_ranks, inter_ranks: the global ranks of those groups.
+
+    A topology holds process groups: it cannot be pickled and has no state to checkpoint; rebuild it
+    after a restart.
+
+    Example::
+
+        >>> topo = Topology.from_env()          # under torchrun / accelerate launch
+        >>> topo
+        Topology(2 nodes x 8 ranks, rank 3)
+    """
+
+    __slots__ = (
+        "rank",
+        "world_size",
+        "local_rank",
+        "local_world_size",
+        "node_rank",
+        "num_nodes",
+        "world_group",
+        "intra_group",
+        "inter_group",
+        "intra_ranks",
+        "inter_ranks",
+        "__weakref__",
+    )
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        local_rank: int,
+        local_world_size: int,
+        node_rank: int,
+        num_nodes: int,
+        world_group,
+        intra_group,
+        inter_group,
+        intra_ranks: tuple[int, ...],
+        inter_ranks: tuple[int, ...],
+    ):
+        if local_world_size * num_nodes != world_size:
+            raise ValueError(f"{num_nodes} nodes x {local_world_size} ranks != world size {world_size}")
+        self.rank, self.world_size = rank, world_size
+        self.local_rank, self.local_world_size = local_rank, local_world_size
+        self.node_rank, self.num_nodes = node_rank, num_nodes
+        self.world_group, self.intra_group, self.inter_group = world_group, intra_group, inter_group
+        self.intra_ranks, self.inter_ranks = tuple(intra_ranks), tuple(inter_ranks)
+
+    # ----------------------------------------------------------------------------------- constructors
+    @classmethod
+    def flat(cls, group=None, *, dedicated: bool = True) -> Topology:
+        """One node holding every rank of ``group`` (default: the default process group).
+
+        Args:
+            group (`ProcessGroup`, *optional*): the ranks taking part; defaults to the default group.
+            dedicated (`bool`, *optional*, defaults to `True`): build a private copy of ``group`` (every
+                member must call this, in the same order as other group creations). ``False`` uses
+                ``group`` itself: no collective to build it, but async calls may then interleave with
+                other collectives on ``group`` (see the module docstring).
+        """
+        _require_initialized("Topology.flat")
+        group = dist.group.WORLD if group is None else group
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        if rank < 0:
+            raise ValueError("Topology.flat(group): this process is not a member of `group`")
+        ranks = tuple(dist.get_process_group_ranks(group))
+        if dedicated and size > 1:
+            # members only need to call when group is a proper subgroup
+            local = size != dist.get_world_size()
+            group = dist.new_group(list(ranks), use_local_synchronization=local)
+            rank, ranks = dist.get_rank(group), tuple(dist.get_process_group_ranks(group))
+        return cls(
+            rank=rank,
+            world_size=size,
+            local_rank=rank,
+            local_world_size=size,
+            node_rank=0,
+            num_nodes=1,
+            world_group=group,
+            intra_group=group if size > 1 else None,
+            inter_group=None,
+            intra_ranks=ranks,
+            inter_ranks=(ranks[rank],),
+        )
+
+    @classmethod
+    def from_layout(cls, num_nodes: int, local_world_size: int) -> Topology:
+        """``num_nodes`` x ``local_world_size`` over the default group, node-major: node ``g`` holds
+        ranks ``g*L .. g*L+L-1``. Handy to simulate several nodes on one host (``from_layout(2, 2)``).
+
+        Every rank must call it, with the same arguments.
+        """
+        _require_initialized("Topology.from_layout")
+        world, rank = dist.get_world_size(), dist.get_rank()
+        k, lws = int(num_nodes), int(local_world_size)
+        if k < 1 or lws < 1 or k * lws != world:
+            raise ValueError(
+                f"Topology.from_layout({num_nodes}, {local_world_size}): num_nodes x local_world_size must "
+                f"equal the world size {world}; choose a local_world_size that divides {world}."
+            )
+        node, local = divmod(rank, lws)
+        intra = [[g * lws + j for j in range(lws)] for g in range(k)]
+        inter = [[g * lws + j for g in range(k)] for j in range(lws)]
+        world_group = dist.new_group(list(range(world))) if world > 1 else dist.group.WORLD
+        intra_group = _build_groups(intra, world_group)
+        inter_group = _build_groups(inter, world_group)
+        return cls(
+            rank=rank,
+            world_size=world,
+            local_rank=local,
+            local_world_size=lws,
+            node_rank=node,
+            num_nodes=k,
+            world_group=world_group,
+            intra_group=intra_group,
+            inter_group=inter_group,
+            intra_ranks=intra[node],
+            inter_ranks=inter[local],
+        )
+
+    @classmethod
+    def from_env(cls) -> Topology:
+        """The layout the launcher describes: ``LOCAL_WORLD_SIZE`` ranks per node and ``GROUP_RANK``
+        (the node index; torchrun and ``accelerate launch`` set it, they do not set ``NODE_RANK``).
+
+        Ranks must be node-major (torchrun's default). Every rank checks, through one all-gather, that
+        all ranks agree on ``LOCAL_WORLD_SIZE``, that it divides the world size and that
+        ``RANK == GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK``; all ranks raise the same ``ValueError``
+        otherwise. Collective: every rank must call it.
+        """
+        _require_initialized("Topology.from_env")
+        world, rank = dist.get_world_size(), dist.get_rank()
+        env = os.environ
+
+        def read(name: str, *fallbacks: str):
+            for n in (name, *fallbacks):
+                if env.get(n, "") != "":
+                    try:
+                        return int(env[n])
+                    except ValueError:
+                        return f"{n}={env[n]!r} is not an integer"
+            return None
+
+        mine = {
+            "RANK": read("RANK"),
+            "WORLD_SIZE": read("WORLD_SIZE"),
+            "LOCAL_WORLD_SIZE": read("LOCAL_WORLD_SIZE"),
+            "GROUP_RANK": read("GROUP_RANK", "NODE_RANK"),
+            "LOCAL_RANK": read("LOCAL_RANK"),
+            "dist_rank": rank,
+        }
+        # Gather first, then every rank judges the same table: all raise together, none hangs.
+        table: list[dict] = [None] * world  # type: ignore[list-item]
+        dist.all_gather_object(table, mine)
+        problem = _check_env_table(table, world)
+        if problem:
+            raise ValueError(
+                f"Topology.from_env: {problem}. torchrun and `accelerate launch` set LOCAL_WORLD_SIZE, GROUP_RANK "
+                "and LOCAL_RANK for every worker; with another launcher, export them (node-major ranks: node g "
+                "holds ranks g*LOCAL_WORLD_SIZE ... g*LOCAL_WORLD_SIZE+LOCAL_WORLD_SIZE-1), or build the "
+                "topology with Topology.from_layout(num_nodes, local_world_size), Topology.from_device_mesh(mesh) "
+                "or Topology.flat()."
+            )
+        return cls.from_layout(world // table[0]["LOCAL_WORLD_SIZE"], table[0]["LOCAL_WORLD_SIZE"])
+
+    @classmethod
+    def from_device_mesh(cls, mesh) -> Topology:
+        """From a 2-D ``DeviceMesh`` of shape ``(num_nodes, local_world_size)`` covering every rank,
+        e.g. ``init_device_mesh("cuda", (nodes, gpus_per_node), mesh_dim_names=("node", "local"))``.
+
+        Dimension 0 indexes nodes (``mesh.get_group(0)`` spans the inter-node ranks), dimension 1 the
+        ranks of a node (``mesh.get_group(1)``). The topology builds its own groups over those same
+        ranks, so the 1-bit traffic never interleaves with other users of the mesh. Collective: every
+        rank calls it.
+        """
+        _require_initialized("Topology.from_device_mesh")
+        if mesh.ndim != 2:
+            raise ValueError(f"Topology.from_device_mesh expects a 2-D mesh (nodes x local), got {mesh.ndim}-D")
+        world, rank = dist.get_world_size(), dist.get_rank()
+        k, lws = mesh.size(0), mesh.size(1)
+        if k * lws != world:
+            raise ValueError(f"the mesh covers {k * lws} ranks but the default group has {world}; use a mesh of all")
+        grid = mesh.mesh.tolist()  # grid[node][local] = global rank
+        intra = [sorted(row) for row in grid]
+        inter = [sorted(grid[g][j] for g in range(k)) for j in range(lws)]
+        intra_ranks = tuple(dist.get_process_group_ranks(mesh.get_group(1)))
+        inter_ranks = tuple(dist.get_process_group_ranks(mesh.get_group(0)))
+        node = next(g for g in range(k) if rank in grid[g])
+        local = grid[node].index(rank)
+        # a group's ranks are ordered by global rank: the mesh must ascend along both dimensions for
+        # those orders to be the mesh's local and node indices
+        if intra != grid or any(inter[j] != [grid[g][j] for g in range(k)] for j in range(lws)):
+            raise ValueError(
+                "Topology.from_device_mesh: the mesh's nodes and columns do not form a sorted grid (ranks "
+                "ascending along both dimensions); build the mesh with init_device_mesh(device, (num_nodes, "
+                "local_world_size)), or use Topology.from_layout(num_nodes, local_world_size)."
+            )
+        if set(intra_ranks) != set(intra[node]) or set(inter_ranks) != set(inter[local]):
+            raise ValueError("Topology.from_device_mesh: mesh.get_group(0/1) disagree with mesh.mesh")
+        world_group = dist.new_group(list(range(world))) if world > 1 else dist.group.WORLD
+        return cls(
+            rank=rank,
+            world_size=world,
+            local_rank=local,
+            local_world_size=lws,
+            node_rank=node,
+            num_nodes=k,
+            world_group=world_group,
+            intra_group=_build_groups(intra, world_group),
+            inter_group=_build_groups(inter, world_group),
+            intra_ranks=tuple(intra[node]),
+            inter_ranks=tuple(inter[local]),
+        )
+
+    # ------------------------------------------------------------------------------------------- misc
+    @property
+    def is_flat(self) -> bool:
+        return self.num_nodes == 1
+
+    def __repr__(self) -> str:
+        nodes = "node" if self.num_nodes == 1 else "nodes"
+        ranks = "rank" if self.local_world_size == 1 else "ranks"
+        return f"Topology({self.num_nodes} {nodes} x {self.local_world_size} {ranks}, rank {self.rank})"
+
+    # Process groups are live handles: share them on copy, refuse to serialize them.
+    def __copy__(self) -> Topology:
+        return self
+
+    def __deepcopy__(self, memo) -> Topology:
+        return self
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "Topology holds process groups and cannot be pickled or checkpointed; rebuild it after a restart "
+            "(Topology.from_env() / from_layout() / from_device_mesh()) and keep it out of state_dict()."
+        )
+
+
+def _check_env_table(table: list[dict], world: int) -> str:
+    for r, row in enumerate(table):
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "LOCAL_RANK"):
+            if isinstance(row[name], str):
+                return f"on rank {r}, {row[name]}"
+        if row["LOCAL_WORLD_SIZE"] is None or row["GROUP_RANK"] is None:
+            return f"rank {r} has no LOCAL_WORLD_SIZE or GROUP_RANK (nor NODE_RANK) in its environment"
+        if row["RANK"] is not None and row["RANK"] != row["dist_rank"]:
+            return f"RANK={row['RANK']} but the process group says rank {row['dist_rank']}"
+        if row["WORLD_SIZE"] is not None and row["WORLD_SIZE"] != world:
+            return f"WORLD_SIZE={row['WORLD_SIZE']} but the process group has {world} ranks"
+    sizes = sorted({row["LOCAL_WORLD_SIZE"] for row in table})
+    if len(sizes) > 1:
+        return f"ranks disagree on LOCAL_WORLD_SIZE ({sizes}); every node must run the same number of ranks"
+    lws = sizes[0]
+    if lws < 1 or world % lws:
+        return f"LOCAL_WORLD_SIZE={lws} does not divide the world size {world}"
+    for r, row in enumerate(table):
+        local = row["LOCAL_RANK"] if row["LOCAL_RANK"] is not None else r - row["GROUP_RANK"] * lws
+        if row["GROUP_RANK"] * lws + local != r or not 0 <= local < lws:
+            return (
+                f"rank {r} has GROUP_RANK={row['GROUP_RANK']}, LOCAL_RANK={local} with LOCAL_WORLD_SIZE={lws}: "
+                "ranks are not node-major"
+            )
+    return ""

@@ -1,0 +1,401 @@
+import math
+
+import pytest
+import torch
+from _dist import run_distributed
+
+from birder_hf.collectives import CommStats, expected_bytes, onebit_all_reduce
+from birder_hf.quantize import (
+    STAGE_INTER_SHARD,
+    STAGE_NODE,
+    STAGE_SHARD,
+    STAGE_WORKER,
+    BitKeys,
+    quantize_bits,
+    unpack_bits,
+)
+from birder_hf.topology import Topology
+
+# ------------------------------------------------------------------------------------------ reference
+
+
+def _bits(keys, v, start, stage, who):
+    return unpack_bits(keys.quantize_pack(v, start, stage, who), v.numel()).float()
+
+
+def _mean(votes):  # exact mean of 0/1 votes as +-1, computed as the library does: (2c - m) / m in fp32
+    return (2 * torch.stack(votes).sum(0) - len(votes)) / len(votes)
+
+
+def simulate(method, us, keys, num_nodes, lws, inter_method="allgather"):
+    """Single-process reference of every method (DeepSpeed's torch_sim idea), fp32."""
+    n, numel = len(us), us[0].numel()
+    align = {"allgather": 8, "scatter_gather": 8 * n, "hierarchical": 8 * lws}[method]
+    if method == "hierarchical" and inter_method == "scatter_gather":
+        align *= num_nodes
+    padded = -(-numel // align) * align
+
+    def pad(v):  # padding votes -1 (bit 0)
+        return torch.cat([v, v.new_zeros(padded - numel)])
+
+    votes = [pad(_bits(keys, u.reshape(-1), 0, STAGE_WORKER, r)) for r, u in enumerate(us)]
+    if method == "allgather":
+        d = _mean(votes)
+    elif method == "scatter_gather":
+        v, s = _mean(votes), padded // n
+        d = torch.cat([_bits(keys, v[i * s : (i + 1) * s], i * s, STAGE_SHARD, 0) for i in range(n)]) * 2 - 1
+    else:
+        s1 = padded // lws
+        node_bits = []
+        for g in range(num_nodes):
+            m = _mean(votes[g * lws : (g + 1) * lws])
+            node_bits.append(
+                torch.cat([_bits(keys, m[j * s1 : (j + 1) * s1], j * s1, STAGE_NODE, g) for j in range(lws)])
+            )
+        w = _mean(node_bits)
+        if inter_method == "allgather":
+            d = w
+        else:
+            s2 = s1 // num_nodes
+            d = torch.cat(
+                [_bits(keys, w[i * s2 : (i + 1) * s2], i * s2, STAGE_INTER_SHARD, 0) for i in range(padded // s2)]
+            )
+            d = d * 2 - 1
+    return d[:numel]
+
+
+# --------------------------------------------------------------------------------------------- ranks
+
+CASES = [  # (length, dtype, chunk_numel)
+    (1, torch.float32, None),
+    (13, torch.float64, None),
+    (7, torch.float16, None),
+    (1001, torch.float32, None),
+    (1001, torch.float32, 64),
+    (1001, torch.bfloat16, 200),
+]
+
+
+def _u(rank, length, dtype):
+    g = torch.Generator().manual_seed(1000 * rank + length)
+    u = torch.rand(length, generator=g, dtype=torch.float64) * 2 - 1
+    u[:3] = torch.tensor([1.0, -1.0, 0.0])[: min(3, length)]
+    return u.to(dtype)
+
+
+def _keys(length):
+    if length < 100:
+        return 123
+    return BitKeys(seed=5, step=9, segment_ids=[7, 3, 11], segment_sizes=[500, 1, length - 501])
+
+
+def _topology(layout):
+    return Topology.flat() if layout is None else Topology.from_layout(*layout)
+
+
+def _all_cases(rank, world, layout, method, inter_method):
+    topo = _topology(layout)
+    out = []
+    for length, dtype, chunk in CASES:
+        stats = CommStats()
+        u = _u(rank, length, dtype)
+        d = onebit_all_reduce(
+            u.view(1, -1) if length == 13 else u,
+            topology=topo,
+            method=method,
+            inter_method=inter_method,
+            generator=_keys(length),
+            chunk_numel=chunk,
+            stats=stats,
+        )
+        out.append((u, d, stats))
+    return out
+
+
+CONFIGS = [  # (world, layout, method, inter_method)
+    (1, None, "allgather", "allgather"),
+    (1, None, "scatter_gather", "allgather"),
+    (2, None, "allgather", "allgather"),
+    (2, None, "scatter_gather", "allgather"),
+    (2, (2, 1), "hierarchical", "allgather"),
+    (2, (1, 2), "hierarchical", "scatter_gather"),
+    (4, None, "allgather", "allgather"),
+    (4, None, "scatter_gather", "allgather"),
+    (4, (2, 2), "allgather", "allgather"),
+    (4, (2, 2), "hierarchical", "allgather"),
+    (4, (2, 2), "hierarchical", "scatter_gather"),
+    (4, (4, 1), "hierarchical", "scatter_gather"),
+    (4, (1, 4), "hierarchical", "allgather"),
+]
+
+
+@pytest.mark.parametrize("world, layout, method, inter_method", CONFIGS)
+def test_identical_on_every_rank_and_matches_reference(world, layout, method, inter_method):
+    results = run_distributed(_all_cases, world, layout, method, inter_method)
+    num_nodes, lws = layout or (1, world)
+    for i, (length, dtype, _chunk) in enumerate(CASES):
+        d0 = results[0][i][1]
+        assert d0.dtype == dtype and d0.shape == ((1, length) if length == 13 else (length,))
+        for r in range(world):
+            assert torch.equal(results[r][i][1], d0), f"rank {r} differs, case {i}"
+        us = [results[r][i][0] for r in range(world)]
+        ref = simulate(
+            method,
+            us,
+            _keys(length) if length >= 100 else BitKeys.single(123, 0, length),
+            num_nodes,
+            lws,
+            inter_method,
+        )
+        assert torch.equal(d0.reshape(-1), ref.to(dtype)), f"case {i}: differs from the reference"
+        # bytes sent: as predicted, on every rank, whatever the chunking
+        exp = expected_bytes(method, length, (num_nodes, lws), inter_method=inter_method)
+        for r in range(world):
+            st = results[r][i][2]
+            got = {k: getattr(st, k) for k in exp}
+            assert got == exp and st.calls == 1, (r, i, got, exp)
+
+
+def _exact_votes(rank, world):
+    keys = BitKeys(seed=1, step=2, segment_ids=[4, 5], segment_sizes=[300, 700])
+    u = _u(rank, 1000, torch.float32)
+    return u, onebit_all_reduce(u, method="allgather", generator=keys)
+
+
+def test_allgather_is_the_exact_mean_of_the_votes():
+    results = run_distributed(_exact_votes, 4)
+    keys = BitKeys(seed=1, step=2, segment_ids=[4, 5], segment_sizes=[300, 700])
+    plus = torch.zeros(1000)
+    for r, (u, _) in enumerate(results):  # votes recomputed from the per-segment keys
+        plus += torch.cat(
+            [
+                quantize_bits(u[:300], keys.key(0, STAGE_WORKER, r)),
+                quantize_bits(u[300:], keys.key(1, STAGE_WORKER, r)),
+            ]
+        )
+    assert torch.equal(results[0][1], (2 * plus - 4) / 4)
+    assert set(results[0][1].tolist()) <= {-1.0, -0.5, 0.0, 0.5, 1.0}
+
+
+# ------------------------------------------------------------------------------------- unbiasedness
+
+M, T, SEEDS = 8, 7000, 8  # 8 distinct values per rank, each repeated T times, over SEEDS keys
+
+
+def _unbiased(rank, world, layout, method, inter_method):
+    base = torch.linspace(-0.9, 0.9, M).roll(3 * rank) * (1 - 0.1 * rank)
+    u = base.repeat(T)
+    topo = _topology(layout)
+    total = torch.zeros(M, dtype=torch.float64)
+    for seed in range(SEEDS):
+        d = onebit_all_reduce(u, topology=topo, method=method, inter_method=inter_method, generator=seed)
+        total += d.view(T, M).double().sum(0)
+    return base, total / (T * SEEDS)
+
+
+@pytest.mark.parametrize(
+    "layout, method, inter_method",
+    [(None, "allgather", "allgather"), (None, "scatter_gather", "allgather")]
+    + [((2, 2), "hierarchical", im) for im in ("allgather", "scatter_gather")],
+)
+def test_unbiased(layout, method, inter_method):
+    results = run_distributed(_unbiased, 4, layout, method, inter_method)
+    mu = torch.stack([b for b, _ in results]).double().mean(0)
+    avg = results[0][1]
+    # d in [-1, 1] with mean mu => Var(d) <= 1 - mu^2 per element; elements and seeds are independent,
+    # so the average of N = T * SEEDS draws has standard error <= sqrt((1 - mu^2) / N). Tolerance: 5 SE
+    # plus the codec's bias (< 2^-23 per stage).
+    tol = 5 * torch.sqrt((1 - mu**2) / (T * SEEDS)) + 3 * 2**-23
+    assert torch.all((avg - mu).abs() <= tol), (avg - mu, tol)
+
+
+# ------------------------------------------------------------------------- layout and chunk invariance
+
+
+def _invariance(rank, world, layout, method, inter_method):
+    topo = _topology(layout)
+    sizes = {0: 37, 1: 400, 2: 5}
+    parts = {i: _u(rank, s, torch.float32) for i, s in sizes.items()}
+    outs = []
+    for order in ([0, 1, 2], [2, 0, 1]):  # a DDP bucket rebuild reorders parameters
+        keys = BitKeys(seed=3, step=4, segment_ids=order, segment_sizes=[sizes[i] for i in order])
+        u = torch.cat([parts[i] for i in order])
+        for chunk in (None, 8 * world, 24 * world, 10**6):
+            d = onebit_all_reduce(
+                u, topology=topo, method=method, inter_method=inter_method, generator=keys, chunk_numel=chunk
+            )
+            outs.append(dict(zip(order, d.split([sizes[i] for i in order]), strict=True)))
+    return outs
+
+
+@pytest.mark.parametrize(
+    "layout, method, inter_method",
+    [(None, "allgather", "allgather"), (None, "scatter_gather", "allgather"), ((2, 2), "hierarchical", "allgather")]
+    + [((2, 2), "hierarchical", "scatter_gather")],
+)
+def test_independent_of_segment_layout_and_chunking(layout, method, inter_method):
+    outs = run_distributed(_invariance, 4, layout, method, inter_method)[0]
+    for other in outs[1:]:
+        for i in range(3):
+            assert torch.equal(other[i], outs[0][i])
+
+
+# ---------------------------------------------------------------------------------------------- async
+
+
+def _async(rank, world, layout, method, inter_method):
+    topo = _topology(layout)
+    inputs = [_u(rank, n, torch.float32) for n in (1001, 64, 3000, 5, 999, 2048, 77, 1500)]
+    sync = [
+        onebit_all_reduce(u, topology=topo, method=method, inter_method=inter_method, generator=i)
+        for i, u in enumerate(inputs)
+    ]
+    # all in flight at once, some chunked, one chained with .then(), like DDP buckets
+    futs = [
+        onebit_all_reduce(
+            u,
+            topology=topo,
+            method=method,
+            inter_method=inter_method,
+            generator=i,
+            async_op=True,
+            chunk_numel=256 if i % 2 else None,
+        )
+        for i, u in enumerate(inputs)
+    ]
+    doubled = futs[0].then(lambda f: f.value() * 2)
+    # meanwhile other collectives on the default group (DDP's find_unused_parameters all-reduce does
+    # this): the topology's own groups keep them apart from the callbacks' collectives
+    assert topo.world_group is not torch.distributed.group.WORLD
+    sums = []
+    for i in range(20):
+        t = torch.tensor([float(rank + i)])
+        torch.distributed.all_reduce(t)
+        sums.append(t.item())
+    assert sums == [sum(r + i for r in range(world)) for i in range(20)]
+    # a sync call on the same topology waits for the pending ones (keeps the collective order)
+    mid = onebit_all_reduce(inputs[1], topology=topo, method=method, inter_method=inter_method, generator=1)
+    values = [f.wait() for f in futs]
+    return sync, values, doubled.wait(), mid
+
+
+@pytest.mark.parametrize(
+    "layout, method, inter_method", [(None, "allgather", "allgather"), ((2, 2), "hierarchical", "scatter_gather")]
+)
+def test_async_matches_sync(layout, method, inter_method):
+    results = run_distributed(_async, 4, layout, method, inter_method)
+    for sync, values, doubled, mid in results:
+        assert all(isinstance(v, torch.Tensor) for v in values)
+        for a, b in zip(sync, values, strict=True):
+            assert torch.equal(a, b)
+        assert torch.equal(doubled, 2 * sync[0]) and torch.equal(mid, sync[1])
+    for r in range(1, 4):
+        assert all(torch.equal(a, b) for a, b in zip(results[r][1], results[0][1], strict=True))
+
+
+# ------------------------------------------------------------------------------------------- bytes
+
+
+@pytest.mark.parametrize("layout", [(2, 2), (4, 8), (16, 2), (1, 8), (8, 1)])
+def test_expected_bytes_follow_the_design_table(layout):
+    k, lws = layout
+    n, d = k * lws, 8 * k * lws * 1000  # d a multiple of every alignment: no padding
+    fp32 = 2 * (n - 1) / n * 4 * d
+    ag = expected_bytes("allgather", d, layout)
+    assert ag["intra_node_bytes"] + ag["inter_node_bytes"] == (n - 1) * d / 8
+    assert ag["fp32_allreduce_bytes"] == fp32
+    sg = expected_bytes("scatter_gather", d, layout)
+    assert sg["intra_node_bytes"] + sg["inter_node_bytes"] == 2 * (n - 1) / n * d / 8
+    assert sg["inter_node_bytes"] == (n - lws) * 2 * d / (8 * n)
+    h_ag = expected_bytes("hierarchical", d, layout)
+    assert h_ag["inter_node_bytes"] == (k - 1) * d / (8 * lws)
+    h_sg = expected_bytes("hierarchical", d, layout, inter_method="scatter_gather")
+    assert h_sg["inter_node_bytes"] == 2 * (k - 1) / k * d / (8 * lws) <= 2 * d / (8 * lws)
+    # intra: the votes' all-to-all, then the shard results (+-1 bits; or the vote counts' binary digits)
+    step4 = d / 8 * k.bit_length()
+    assert h_ag["intra_node_bytes"] == (lws - 1) / lws * (d / 8 + step4)
+    assert h_sg["intra_node_bytes"] == 2 * (lws - 1) / lws * d / 8
+    # against the fp32 ring all-reduce: allgather's volume grows with n (ratio 64/n), scatter_gather's does not
+    assert fp32 / (ag["intra_node_bytes"] + ag["inter_node_bytes"]) == pytest.approx(64 / n)
+    assert fp32 / (sg["intra_node_bytes"] + sg["inter_node_bytes"]) == pytest.approx(32)
+
+
+def _three_by_three(rank, world):
+    topo = Topology.from_layout(3, 3)
+    out = []
+    for inter_method in ("allgather", "scatter_gather"):
+        u, stats = _u(rank, 500, torch.float32), CommStats()
+        d = onebit_all_reduce(
+            u, topology=topo, method="hierarchical", inter_method=inter_method, generator=8, stats=stats
+        )
+        out.append((u, d, stats))
+    return out
+
+
+def test_hierarchical_three_nodes_of_three():
+    # non-power-of-two k and L: means in thirds, 2 count digits in step 4
+    results = run_distributed(_three_by_three, 9)
+    for i, inter_method in enumerate(("allgather", "scatter_gather")):
+        us = [res[i][0] for res in results]
+        ref = simulate("hierarchical", us, BitKeys.single(8, 0, 500), 3, 3, inter_method)
+        exp = expected_bytes("hierarchical", 500, (3, 3), inter_method=inter_method)
+        for res in results:
+            _, d, stats = res[i]
+            assert torch.equal(d, ref)
+            assert {k: getattr(stats, k) for k in exp} == exp
+    thirds = {-1.0, -1 / 3, 1 / 3, 1.0}
+    assert set(results[0][0][1].tolist()) <= {float(torch.tensor(v)) for v in thirds}
+
+
+def test_comm_stats():
+    st = CommStats(intra_node_bytes=10, inter_node_bytes=30, calls=2, collectives=3, fp32_allreduce_bytes=400)
+    assert st.total_bytes == 40 and st.compression_ratio == 10
+    assert st.as_dict("x/")["x/compression_ratio"] == 10 and st.as_dict()["comm/calls"] == 2
+    st.reset()
+    assert st.total_bytes == 0 and st.compression_ratio == 0.0 and st.calls == 0
+    st.fp32_allreduce_bytes = 1
+    assert math.isinf(st.compression_ratio)
+
+
+# ------------------------------------------------------------------------------------------ validation
+
+
+def test_bad_arguments_before_any_communication():
+    u = torch.zeros(8)
+    with pytest.raises(ValueError, match="allgather, scatter_gather, hierarchical"):
+        onebit_all_reduce(u, method="ring")
+    with pytest.raises(ValueError, match="inter_method"):
+        onebit_all_reduce(u, method="hierarchical", inter_method="tree")
+    with pytest.raises(TypeError, match="floating-point"):
+        onebit_all_reduce(torch.zeros(8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="valid methods"):
+        expected_bytes("ring", 8, (1, 1))
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        onebit_all_reduce(u)
+
+
+def _bad_in_group(rank, world):
+    errors = []
+    topo = Topology.flat()
+    for kwargs in (
+        {"u": torch.zeros(8), "generator": BitKeys.single(0, 0, 9)},
+        {"u": torch.zeros(8, device="meta")},
+        {"u": torch.zeros(8), "topology": "flat"},
+        {"u": torch.zeros(8), "generator": 1.5},
+    ):
+        kwargs.setdefault("topology", topo)
+        try:
+            onebit_all_reduce(kwargs.pop("u"), **kwargs)
+            errors.append(None)
+        except Exception as exc:
+            errors.append((type(exc).__name__, str(exc)))
+    return errors
+
+
+def test_bad_arguments_in_a_group():
+    for errors in run_distributed(_bad_in_group, 2):
+        (e1, m1), (e2, m2), (e3, m3), (e4, m4) = errors
+        assert e1 == "ValueError" and "describes 9 elements" in m1
+        assert e2 == "ValueError" and "meta" in m2 and "gloo" in m2
+        assert e3 == "TypeError" and "Topology" in m3
+        assert e4 == "TypeError" and "generator" in m4

@@ -1,0 +1,308 @@
+"""Trainer, accelerate and timm integrations with real ranks: hook registered, exact resume, errors, cards."""
+
+import os
+import socket
+
+import pytest
+import torch
+from _dist import run_distributed
+
+from birder_hf import Birder
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launcher_env():
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+
+
+class TinyRegressor(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+
+    def forward(self, x, labels=None):
+        out = self.body(x)
+        loss = None if labels is None else torch.nn.functional.mse_loss(out.squeeze(-1), labels)
+        return {"loss": loss, "logits": out}
+
+
+class Regression(torch.utils.data.Dataset):
+    def __init__(self, n=256):
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = self.x @ torch.linspace(-1, 1, 8) + 0.05 * torch.randn(n, generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+def _opt_state(opt):
+    return [{k: v.clone() for k, v in opt.state[p].items()} for g in opt.param_groups for p in g["params"]]
+
+
+def _same_state(a, b):
+    return all(set(x) == set(y) and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b))
+
+
+# ----------------------------------------------------------------------------------------------- Trainer
+
+
+def _trainer_run(rank, world, out_dir, resume, max_steps, extra_args=None):
+    from transformers import TrainingArguments
+
+    from birder_hf.integrations.transformers import BirderArguments, BirderTrainer
+
+    args = TrainingArguments(
+        output_dir=out_dir,
+        use_cpu=True,
+        max_steps=max_steps,
+        save_steps=max_steps // 2,
+        per_device_train_batch_size=8,
+        learning_rate=0.01,
+        weight_decay=0.1,
+        logging_steps=2,
+        report_to=[],
+        seed=0,
+        disable_tqdm=True,
+        ddp_find_unused_parameters=False,
+        dataloader_num_workers=0,
+        **(extra_args or {}),
+    )
+    trainer = BirderTrainer(
+        model=TinyRegressor(),
+        args=args,
+        train_dataset=Regression(),
+        birder_args=BirderArguments(comm_method="scatter_gather", beta=0.9),
+    )
+    trainer.train(resume_from_checkpoint=resume)
+    ddp_data = trainer.model_wrapped._get_ddp_logging_data() if world > 1 else {}
+    opt = trainer.optimizer.optimizer
+    return {
+        "params": [p.detach().clone() for p in trainer.model.parameters()],
+        "state": _opt_state(opt),
+        "logs": trainer.state.log_history,
+        "comm_hook": ddp_data.get("comm_hook"),
+        "max_grad_norm": trainer.args.max_grad_norm,
+        "optimizer": type(opt).__name__,
+    }
+
+
+def test_trainer_hook_logs_and_exact_resume(tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    straight = run_distributed(_trainer_run, 2, a, None, 8, timeout=240, local_world_size=2, env=_launcher_env())
+    assert os.path.isfile(os.path.join(a, "checkpoint-4", "birder", "rank_00001-of-00002.pt"))
+    resumed = run_distributed(
+        _trainer_run, 2, b, os.path.join(a, "checkpoint-4"), 8, timeout=240, local_world_size=2, env=_launcher_env()
+    )
+    for s, r in zip(straight, resumed):
+        assert s["optimizer"] == "Birder" and s["comm_hook"] == "birder_hook"  # the 1-bit hook replaced fp32
+        assert s["max_grad_norm"] == 0.0
+        assert all(torch.equal(x, y) for x, y in zip(s["params"], r["params"]))
+        assert _same_state(s["state"], r["state"])  # every rank's own m and b, bit for bit
+    assert all(torch.equal(x, y) for x, y in zip(straight[0]["params"], straight[1]["params"]))
+    assert not _same_state(straight[0]["state"], straight[1]["state"])  # m, b are rank-local
+    train_logs = [entry for entry in straight[0]["logs"] if "loss" in entry]
+    assert train_logs and all(entry["birder/compression_ratio"] > 8 for entry in train_logs)
+    assert train_logs[-1]["loss"] < train_logs[0]["loss"]
+
+
+def test_trainer_refuses_fp16_and_non_birder_optimizers(tmp_path):
+    from transformers import TrainingArguments
+
+    from birder_hf.integrations.transformers import BirderTrainer
+
+    with pytest.raises(ValueError, match="bf16"):
+        BirderTrainer(
+            model=TinyRegressor(),
+            args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True, fp16=True, report_to=[]),
+        )
+    model = TinyRegressor()
+    trainer = BirderTrainer(
+        model=model,
+        args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True, max_steps=1, report_to=[]),
+        train_dataset=Regression(16),
+        optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None),
+    )
+    with pytest.raises(TypeError, match="Birder optimizer"):
+        trainer.train()
+
+
+def test_trainer_resume_without_birder_files_is_an_error(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from birder_hf.integrations.transformers import BirderTrainer
+
+    def args(out):
+        return TrainingArguments(
+            output_dir=out, use_cpu=True, max_steps=2, save_steps=1, report_to=[], disable_tqdm=True
+        )
+
+    model = TinyRegressor()
+    plain = Trainer(
+        model=model,
+        args=args(str(tmp_path / "plain")),
+        train_dataset=Regression(32),
+        optimizer_cls_and_kwargs=(Birder, {"lr": 0.01}),
+    )
+    plain.train()
+    trainer = BirderTrainer(model=TinyRegressor(), args=args(str(tmp_path / "b")), train_dataset=Regression(32))
+    with pytest.raises(FileNotFoundError, match="rank-local"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "plain" / "checkpoint-1"))
+
+
+def test_model_card_names_birder_and_push_uses_the_hub_api(tmp_path, monkeypatch):
+    import transformers.trainer as trainer_mod
+    from transformers import TrainingArguments
+
+    from birder_hf.integrations.transformers import BirderArguments, BirderTrainer
+
+    calls = []
+
+    class FakeHub:
+        def create_repo(self, repo_id, **kw):
+            calls.append(("create_repo", repo_id))
+            return type("RepoUrl", (), {"repo_id": f"user/{repo_id}"})()
+
+        def upload_folder(self, repo_id, folder_path, **kw):
+            calls.append(("upload_folder", repo_id, sorted(os.listdir(folder_path))))
+            return "https://hub.invalid/commit"
+
+    monkeypatch.setattr(trainer_mod, "hf_api", lambda: FakeHub())
+    out = str(tmp_path / "tiny-birder")
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, num_labels=2
+    )
+    ids = torch.randint(0, 50, (32, 6), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": ids[i], "labels": int(ids[i, 0] % 2)} for i in range(32)]
+    trainer = BirderTrainer(
+        model=BertForSequenceClassification(config),
+        args=TrainingArguments(output_dir=out, use_cpu=True, max_steps=2, report_to=[], disable_tqdm=True),
+        train_dataset=data,
+        birder_args=BirderArguments(beta=0.9),
+    )
+    trainer.train()
+    trainer.push_to_hub()
+    card = open(os.path.join(out, "README.md"), encoding="utf-8").read()
+    assert "- optimizer: Birder" in card and "beta=0.9" in card and "adamw" not in card.lower()
+    assert "## Trained with Birder" in card and "birder2023" in card
+    assert calls[0] == ("create_repo", "tiny-birder")
+    assert calls[1][0] == "upload_folder" and calls[1][1] == "user/tiny-birder" and "README.md" in calls[1][2]
+
+
+# ---------------------------------------------------------------------------------------------- accelerate
+
+
+def _accelerate_run(rank, world, ckpt_dir, mode, steps=8, accumulate=2):
+    from accelerate import Accelerator
+
+    from birder_hf.integrations.accelerate import register_birder_hook
+
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=accumulate)
+    model = TinyRegressor()
+    opt = Birder(model.parameters(), lr=0.01, beta=0.9, weight_decay=0.1, seed=3)
+    loader = torch.utils.data.DataLoader(Regression(), batch_size=8, shuffle=False)
+    model, opt, loader = acc.prepare(model, opt, loader)
+    state = register_birder_hook(acc, model, opt, method="hierarchical")
+    batches = list(loader)
+    start = 0
+    if mode == "resume":
+        acc.load_state(ckpt_dir)
+        start = steps // 2
+    for step in range(start, steps):
+        for micro in range(accumulate):
+            batch = batches[(step * accumulate + micro) % len(batches)]
+            with acc.accumulate(model):
+                acc.backward(model(**batch)["loss"])
+                opt.step()
+                opt.zero_grad()
+        if mode == "straight" and step + 1 == steps // 2:
+            acc.save_state(ckpt_dir)
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "state": _opt_state(opt.optimizer),
+        "comm_hook": model._get_ddp_logging_data().get("comm_hook"),
+        "topology": repr(state.topology),
+        "calls": state.stats.calls,
+    }
+
+
+def test_accelerate_hook_accumulation_and_exact_resume(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    straight = run_distributed(
+        _accelerate_run, 4, ckpt, "straight", timeout=240, local_world_size=2, env=_launcher_env()
+    )
+    assert len(os.listdir(os.path.join(ckpt, "birder"))) == 4
+    resumed = run_distributed(_accelerate_run, 4, ckpt, "resume", timeout=240, local_world_size=2, env=_launcher_env())
+    for s, r in zip(straight, resumed):
+        assert s["comm_hook"] == "birder_hook" and s["topology"].startswith("Topology(2 nodes x 2")
+        assert s["calls"] >= 8  # one synced backward per step (accumulate uses no_sync)
+        assert all(torch.equal(x, y) for x, y in zip(s["params"], r["params"]))
+        assert _same_state(s["state"], r["state"])
+
+
+def test_accelerate_refusals():
+    def fn(rank, world):
+        from accelerate import Accelerator
+        from accelerate.utils import DistributedDataParallelKwargs
+
+        from birder_hf.integrations.accelerate import register_birder_hook
+
+        handler = DistributedDataParallelKwargs(comm_hook="fp16")
+        acc = Accelerator(cpu=True, kwargs_handlers=[handler])
+        model = TinyRegressor()
+        model, opt = acc.prepare(model, Birder(model.parameters()))
+        errors = []
+        try:
+            register_birder_hook(acc, model, opt)
+        except ValueError as e:
+            errors.append(str(e))
+        try:
+            register_birder_hook(acc, model, torch.optim.SGD(model.parameters(), lr=0.1))
+        except TypeError as e:
+            errors.append(str(e))
+        return errors
+
+    errors = run_distributed(fn, 2, local_world_size=2, env=_launcher_env())[0]
+    assert "comm_hook" in errors[0] and "Birder optimizer" in errors[1]
+
+
+def test_undistributed_launch_is_refused(monkeypatch):
+    from birder_hf.integrations.accelerate import check_really_distributed
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match="not really distributed"):
+        check_really_distributed(1)
+    check_really_distributed(2)
+
+
+# ---------------------------------------------------------------------------------------------------- timm
+
+
+def test_timm_registry_builds_birder_with_no_decay_groups():
+    import timm
+    import timm.optim
+
+    from birder_hf.integrations.timm import register_with_timm
+
+    register_with_timm()
+    model = timm.create_model("resnet18", pretrained=False, num_classes=10)
+    opt = timm.optim.create_optimizer_v2(model, "birder", lr=4e-3, weight_decay=0.1, beta=0.9)
+    assert isinstance(opt, Birder)
+    decay = {id(p) for g in opt.param_groups if g["weight_decay"] == 0.1 for p in g["params"]}
+    no_decay = {id(p) for g in opt.param_groups if g["weight_decay"] == 0.0 for p in g["params"]}
+    for name, p in model.named_parameters():
+        assert (id(p) in no_decay) == (p.ndim <= 1), name  # biases and norm weights: no decay
+    assert decay and all(g["beta"] == 0.9 for g in opt.param_groups)
+    with pytest.raises(ValueError, match="_"):
+        register_with_timm("birder_v2")

@@ -1,0 +1,256 @@
+"""Birder in one process: reference equivalence, invariants, state dicts, edge cases, bad input."""
+
+import io
+import warnings
+
+import pytest
+import torch
+
+from birder_hf import Birder
+from birder_hf.reference import BirderReference
+
+
+def _params(seed=0, dtype=torch.float64, shapes=((13, 7), (29,), (3, 4, 5))):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g, dtype=dtype).requires_grad_() for s in shapes]
+
+
+def _grads(params, step, scale=1.0):
+    g = torch.Generator().manual_seed(1000 + step)
+    return [torch.randn(p.shape, generator=g, dtype=p.dtype) * scale for p in params]
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("quantize", [True, False])
+@pytest.mark.parametrize("foreach", [False, True])
+def test_matches_reference_for_100_steps(amsgrad, quantize, foreach):
+    fast_p, ref_p = _params(), _params()
+    kw = dict(lr=0.01, beta=0.9, weight_decay=0.1, quantize=quantize, amsgrad=amsgrad, seed=42)
+    fast = Birder(fast_p, foreach=foreach, **kw)
+    ref = BirderReference(ref_p, **kw)
+    for t in range(100):
+        scale = 10.0 ** ((t % 7) - 3)  # gradients over 6 orders of magnitude
+        for p, q, g in zip(fast_p, ref_p, _grads(fast_p, t, scale)):
+            p.grad, q.grad = g.clone(), g.clone()
+        fast.step()
+        ref.step()
+        for p, q in zip(fast_p, ref_p):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-12)
+    for i, p in enumerate(fast_p):
+        torch.testing.assert_close(fast.state[p]["exp_avg"], ref.m[i], rtol=0, atol=1e-12)
+        torch.testing.assert_close(fast.state[p]["exp_avg_abs"], ref.b[i], rtol=0, atol=1e-12)
+        assert fast.state[p]["step"].item() == 100
+
+
+def test_foreach_equals_single_tensor_bitwise():
+    a, b = _params(dtype=torch.float32), _params(dtype=torch.float32)
+    oa, ob = Birder(a, lr=0.1, weight_decay=0.01, seed=1, foreach=True), Birder(b, lr=0.1, weight_decay=0.01, seed=1)
+    for t in range(20):
+        for p, q, g in zip(a, b, _grads(a, t)):
+            p.grad, q.grad = g.clone(), g.clone()
+        oa.step()
+        ob.step()
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+        assert torch.equal(oa.state[p]["exp_avg"], ob.state[q]["exp_avg"])
+
+
+def test_quantize_false_is_exactly_the_update_rule():
+    (x,) = _params(shapes=((50,),))
+    x0 = x.detach().clone()
+    opt = Birder([x], lr=0.05, beta=0.8, weight_decay=0.3, quantize=False)
+    g = torch.randn(50, dtype=torch.float64)
+    x.grad = g
+    opt.step()
+    m, b = 0.2 * g, 0.2 * g.abs()
+    u = m / b
+    torch.testing.assert_close(x.detach(), x0 - 0.05 * (u + 0.3 * x0), rtol=0, atol=1e-15)
+
+
+def test_invariants_under_adversarial_gradients():
+    # sign flips, huge and tiny magnitudes, exact zeros, subnormals: |m| <= b, u in [-1, 1], finite state
+    p = torch.zeros(6, dtype=torch.float32, requires_grad=True)
+    opt = Birder([p], lr=1e-3, beta=0.99, seed=0)
+    seq = [
+        [1e30, -1e30, 0.0, 1e-45, -3e38, 1.0],
+        [-1e30, 1e30, 0.0, -1e-45, 3e38, -1.0],
+        [1e-30, 5.0, 0.0, 1e-40, -1e-38, 0.0],
+    ] * 20
+    for g in seq:
+        p.grad = torch.tensor(g, dtype=torch.float32)
+        opt.step()
+        m, b = opt.state[p]["exp_avg"], opt.state[p]["exp_avg_abs"]
+        assert torch.isfinite(m).all() and torch.isfinite(b).all()
+        assert torch.all(m.abs() <= b)
+        u = m / b.clamp_min(torch.finfo(torch.float32).tiny)
+        assert torch.all(u.abs() <= 1)
+        assert torch.isfinite(p).all()
+
+
+def test_every_step_is_bounded_by_lr():
+    (x,) = _params(shapes=((1000,),))
+    opt = Birder([x], lr=0.01, weight_decay=0.5, seed=0)
+    for _ in range(10):
+        before = x.detach().clone()
+        x.grad = torch.randn(1000, dtype=torch.float64) * 1e6
+        opt.step()
+        assert torch.all((x.detach() - before).abs() <= 0.01 * (1 + 0.5 * before.abs()) + 1e-12)
+
+
+def test_state_dict_round_trip_weights_only_then_lockstep():
+    a = _params(dtype=torch.float32)
+    oa = Birder(a, lr=0.01, weight_decay=0.1, amsgrad=True, seed=7)
+    for t in range(5):
+        for p, g in zip(a, _grads(a, t)):
+            p.grad = g
+        oa.step()
+    buf = io.BytesIO()
+    torch.save({"model": [p.detach().clone() for p in a], "optim": oa.state_dict()}, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    b = [t.clone().requires_grad_() for t in loaded["model"]]
+    ob = Birder(b, lr=0.01, weight_decay=0.1, amsgrad=True)  # another seed: the checkpoint's wins
+    ob.load_state_dict(loaded["optim"])
+    assert ob.seed == 7
+    for t in range(5, 25):
+        for p, q, g in zip(a, b, _grads(a, t)):
+            p.grad, q.grad = g.clone(), g.clone()
+        oa.step()
+        ob.step()
+        for p, q in zip(a, b):
+            assert torch.equal(p, q)
+
+
+def test_seeded_determinism_and_seed_from_torch_rng():
+    def run(**kw):
+        ps = _params(dtype=torch.float32)
+        opt = Birder(ps, lr=0.01, **kw)
+        for t in range(3):
+            for p, g in zip(ps, _grads(ps, t)):
+                p.grad = g
+            opt.step()
+        return torch.cat([p.detach().reshape(-1) for p in ps])
+
+    assert torch.equal(run(seed=3), run(seed=3))
+    assert not torch.equal(run(seed=3), run(seed=4))
+    torch.manual_seed(0)
+    a = run()
+    torch.manual_seed(0)
+    assert torch.equal(a, run())
+
+
+def test_edge_cases_no_grad_zero_size_zero_gradient_low_precision():
+    used = torch.ones(4, requires_grad=True)
+    unused = torch.ones(3, requires_grad=True)
+    empty = torch.ones(0, requires_grad=True)
+    half = torch.ones(8, dtype=torch.bfloat16, requires_grad=True)
+    opt = Birder([used, unused, empty, half], lr=0.1, weight_decay=0.0, quantize=False)
+    used.grad = torch.zeros(4)  # gradient always 0: u = 0, no move (quantize=False)
+    empty.grad = torch.zeros(0)
+    half.grad = torch.full((8,), -2.0, dtype=torch.bfloat16)
+    opt.step()
+    assert torch.equal(used.detach(), torch.ones(4))
+    assert unused not in opt.state  # no grad: skipped, no state
+    assert opt.state[empty]["exp_avg"].numel() == 0
+    assert opt.state[half]["exp_avg"].dtype == torch.float32  # fp32 state for bf16 params
+    # the update is computed in fp32 and rounded once: 1 + 0.1 rounds to bf16 1.1015625
+    assert half.dtype == torch.bfloat16 and torch.equal(half.detach(), torch.full((8,), 1.1).bfloat16())
+
+
+def test_zero_gradient_with_quantize_is_a_fair_coin():
+    p = torch.zeros(20_000, requires_grad=True)
+    opt = Birder([p], lr=1.0, seed=0)
+    p.grad = torch.zeros(20_000)
+    opt.step()
+    assert set(p.detach().unique().tolist()) == {-1.0, 1.0}
+    assert abs(p.detach().mean().item()) < 5 / 20_000**0.5
+
+
+def test_maximize_and_closure():
+    x = torch.zeros(3, requires_grad=True)
+    opt = Birder([x], lr=0.1, quantize=False, maximize=True)
+
+    def closure():
+        opt.zero_grad()
+        loss = (x * torch.tensor([1.0, -1.0, 2.0])).sum()
+        loss.backward()
+        return loss
+
+    assert opt.step(closure).item() == 0.0
+    torch.testing.assert_close(x.detach(), torch.tensor([0.1, -0.1, 0.1]))
+
+
+def test_param_groups_have_their_own_hyperparameters():
+    a, b = torch.zeros(2, requires_grad=True), torch.zeros(2, requires_grad=True)
+    opt = Birder([{"params": [a]}, {"params": [b], "lr": 0.5}], lr=0.1, quantize=False)
+    a.grad, b.grad = torch.ones(2), torch.ones(2)
+    opt.step()
+    assert torch.allclose(a, torch.full((2,), -0.1)) and torch.allclose(b, torch.full((2,), -0.5))
+
+
+def test_non_finite_gradient_skips_the_step_and_keeps_state():
+    p = torch.ones(4, requires_grad=True)
+    opt = Birder([p], lr=0.1, seed=0)
+    p.grad = torch.ones(4)
+    opt.step()
+    snapshot = {k: v.clone() for k, v in opt.state[p].items()}
+    x = p.detach().clone()
+    p.grad = torch.tensor([1.0, float("nan"), 1.0, float("inf")])
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        opt.step()
+    assert torch.equal(p.detach(), x)
+    for k, v in snapshot.items():
+        assert torch.equal(opt.state[p][k], v)
+
+
+def test_sparse_gradients_raise():
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    opt = Birder(emb.parameters())
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(lr=-1.0), "learning rate"),
+        (dict(beta=1.0), "beta"),
+        (dict(beta=-0.1), "beta"),
+        (dict(weight_decay=-0.1), "weight_decay"),
+    ],
+)
+def test_bad_hyperparameters(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Birder([torch.zeros(1, requires_grad=True)], **kwargs)
+
+
+def test_unknown_keyword_and_bad_group():
+    with pytest.raises(TypeError):
+        Birder([torch.zeros(1, requires_grad=True)], betas=(0.9, 0.99))
+    with pytest.raises(ValueError, match="beta"):
+        Birder([{"params": [torch.zeros(1, requires_grad=True)], "beta": 2.0}])
+
+
+def test_no_collective_without_a_process_group(monkeypatch):
+    import torch.distributed as dist
+
+    def boom(*a, **k):
+        raise AssertionError("a collective ran in single-process mode")
+
+    for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all_single", "broadcast"):
+        monkeypatch.setattr(dist, name, boom)
+    p = torch.ones(5, requires_grad=True)
+    opt = Birder([p], lr=0.1)
+    p.grad = torch.ones(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+
+
+def test_no_amsgrad_buffer_when_off():
+    p = torch.ones(5, requires_grad=True)
+    opt = Birder([p], lr=0.1)
+    p.grad = torch.ones(5)
+    opt.step()
+    assert set(opt.state[p]) == {"step", "exp_avg", "exp_avg_abs"}

@@ -1,0 +1,147 @@
+"""The 1-bit codec: unbiasedness, bit packing, counter-based keys, compiled == eager."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from birder_hf import quantize as Q
+
+
+def _reference_int24(numel, key, offset=0):
+    # Independent uint32 arithmetic on Python ints (the int32 kernels must match it bit for bit).
+    M = 0xFFFFFFFF
+
+    def h(x):
+        x ^= x >> 16
+        x = (x * 0x21F0AAAD) & M
+        x ^= x >> 15
+        x = (x * 0x735A2D97) & M
+        return x ^ (x >> 15)
+
+    out = []
+    for i in range(offset, offset + numel):
+        x = h(h((i & M) ^ key[0]) ^ key[1])
+        out.append((x >> 8) - (1 << 24) if x >= (1 << 31) else x >> 8)  # int32 arithmetic shift
+    return torch.tensor(out, dtype=torch.int32)
+
+
+def test_hash_matches_uint32_reference():
+    key = Q.derive_key(7, 11)
+    assert torch.equal(Q.random_int24(1000, key, offset=12345), _reference_int24(1000, key, offset=12345))
+    r = Q.random_int24(200_000, key).to(torch.float64)
+    assert r.min() >= -(2**23) and r.max() < 2**23
+    # uniform: mean 0 +- 5 standard errors (sd of U[-2^23, 2^23) is 2^24 / sqrt(12))
+    assert abs(r.mean().item()) < 5 * (2**24 / math.sqrt(12)) / math.sqrt(r.numel())
+
+
+@pytest.mark.parametrize("value", [-1.0, -0.9, -0.3, 0.0, 0.25, 0.77, 1.0])
+def test_binary_randomize_is_unbiased(value):
+    # N draws of q in {-1, +1} with E[q] = u: the sample mean has sd sqrt(1 - u^2) / sqrt(N) <= 1/sqrt(N).
+    # Tolerance: 5 sd (false-alarm rate < 1e-6), plus the codec's bias bound 2^-23.
+    n = 400_000
+    u = torch.full((n,), value)
+    q = Q.binary_randomize(u, generator=123)
+    assert set(q.unique().tolist()) <= {-1.0, 1.0}
+    sd = math.sqrt(max(1 - value**2, 0.0) / n)
+    assert abs(q.mean().item() - value) <= 5 * sd + 2**-23
+    if abs(value) == 1.0:
+        assert torch.all(q == value)
+
+
+def test_binary_randomize_per_element_unbiased_over_keys():
+    # Each element's own mean over 2000 independent keys matches its u (mixed values in one tensor).
+    u = torch.linspace(-1, 1, 101)
+    reps = 2000
+    acc = torch.zeros_like(u, dtype=torch.float64)
+    for s in range(reps):
+        acc += Q.binary_randomize(u, generator=s).double()
+    err = (acc / reps - u.double()).abs()
+    sd = torch.sqrt((1 - u.double() ** 2).clamp_min(0) / reps)
+    assert torch.all(err <= 5.5 * sd + 1e-12)
+
+
+def test_binary_randomize_generator_forms_and_dtype():
+    u = torch.rand(1000, dtype=torch.bfloat16) * 2 - 1
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    a, b = Q.binary_randomize(u, generator=g1), Q.binary_randomize(u, generator=g2)
+    assert a.dtype == torch.bfloat16 and a.shape == u.shape and torch.equal(a, b)
+    assert not torch.equal(Q.binary_randomize(u, generator=1), Q.binary_randomize(u, generator=2))
+    # out-of-range and NaN inputs are clamped: u >= 1 -> +1, u <= -1 or NaN -> -1
+    edge = torch.tensor([5.0, -5.0, float("nan"), float("inf"), -float("inf")])
+    assert Q.binary_randomize(edge, generator=0).tolist() == [1.0, -1.0, -1.0, 1.0, -1.0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.booleans(), min_size=0, max_size=300))
+def test_pack_unpack_round_trip(bits):
+    t = torch.tensor(bits, dtype=torch.bool)
+    packed = Q.pack_bits(t)
+    assert packed.dtype == torch.uint8 and packed.numel() == (len(bits) + 7) // 8
+    assert torch.equal(Q.unpack_bits(packed, len(bits)), t)
+    # little-endian layout: bit k of byte i is element 8i + k
+    for i, byte in enumerate(packed.tolist()):
+        for k in range(8):
+            j = 8 * i + k
+            assert ((byte >> k) & 1) == (bits[j] if j < len(bits) else 0)
+
+
+def test_pack_accepts_0_1_integers_and_bad_input_errors():
+    assert torch.equal(Q.pack_bits(torch.tensor([1, 0, 1], dtype=torch.int64)), torch.tensor([5], dtype=torch.uint8))
+    with pytest.raises(TypeError, match="uint8"):
+        Q.unpack_bits(torch.zeros(2, dtype=torch.int32), 3)
+    with pytest.raises(ValueError, match="does not fit"):
+        Q.unpack_bits(torch.zeros(2, dtype=torch.uint8), 17)
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 1000, 70_001])
+def test_quantize_pack_equals_pack_of_bits(n):
+    u = torch.rand(n) * 2 - 1
+    key = Q.derive_key(3)
+    bits = Q.quantize_bits(u, key, offset=5)
+    assert torch.equal(Q.quantize_pack(u, key, offset=5), Q.pack_bits(bits))
+    # counters make slices consistent: bits of u[a:] with offset a are the tail of the full draw
+    a = n // 3
+    assert torch.equal(Q.quantize_bits(u[a:], key, offset=5 + a), bits[a:])
+
+
+def test_add_votes():
+    votes = torch.rand(5, 64) < 0.5
+    counts = torch.zeros(64, dtype=torch.int16)
+    for v in votes:
+        Q.add_votes_(counts, Q.pack_bits(v))
+    assert torch.equal(counts, votes.sum(0).to(torch.int16))
+    with pytest.raises(ValueError):
+        Q.add_votes_(torch.zeros(10, dtype=torch.int16), torch.zeros(2, dtype=torch.uint8))
+
+
+def test_bitkeys_do_not_depend_on_layout():
+    # Two parameters laid out [a, b] or [b, a]: each element gets the same bit either way.
+    a, b = torch.rand(37) * 2 - 1, torch.rand(50) * 2 - 1
+    k1 = Q.BitKeys(9, 4, [0, 1], [37, 50])
+    k2 = Q.BitKeys(9, 4, [1, 0], [50, 37])
+    p1 = Q.unpack_bits(k1.quantize_pack(torch.cat([a, b]), 0, Q.STAGE_WORKER, 2), 87)
+    p2 = Q.unpack_bits(k2.quantize_pack(torch.cat([b, a]), 0, Q.STAGE_WORKER, 2), 87)
+    assert torch.equal(p1[:37], p2[50:]) and torch.equal(p1[37:], p2[:50])
+    # a slice starting inside segment 0 and ending inside segment 1 (a shard)
+    shard = k1.quantize_pack(torch.cat([a, b])[16:80], 16, Q.STAGE_WORKER, 2)
+    assert torch.equal(Q.unpack_bits(shard, 64), p1[16:80])
+    # stage and "who" select independent draws
+    u = torch.zeros(4096)
+    assert not torch.equal(k1.quantize_pack(u[:87], 0, 0, 0), k1.quantize_pack(u[:87], 0, 0, 1))
+
+
+def test_compiled_codec_is_bitwise_equal_to_eager():
+    n = Q._MIN_COMPILED_NUMEL * 2 + 13
+    u = torch.rand(n) * 2 - 1
+    key = Q.derive_key(1, 2, 3)
+    try:
+        Q.set_codec_compile(True)
+        fast = (Q.quantize_pack(u, key, 99), Q.unpack_bits(Q.quantize_pack(u, key), n))
+        Q.set_codec_compile(False)
+        slow = (Q.quantize_pack(u, key, 99), Q.unpack_bits(Q.quantize_pack(u, key), n))
+    finally:
+        Q.set_codec_compile(True)
+    assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
