@@ -1,0 +1,290 @@
+# /// script
+# requires-python = ">=3.10"
+# dependencies = ["birder-hf[recipes]"]
+# ///
+"""Train a timm image classifier (ResNet-50 by default) with Birder in an accelerate loop.
+
+The paper's ImageNet workload with the seed's schedule (lr 0.004, weight decay 0.1, beta 0.95, lr / 10 every
+30 epochs), on an ImageNet-style folder (``--data_dir`` with ``train/<class>/*`` and ``val/<class>/*``).
+Without ``--data_dir`` it trains offline on real images the project writes as such a folder (sklearn's
+8x8 digits, upscaled).
+
+    # CPU, one machine, 4 processes as 2 simulated nodes x 2:
+    ACCELERATE_USE_CPU=1 accelerate launch --config_file accelerate_configs/cpu.yaml recipes/resnet50.py --num_nodes 2
+    # GPUs, 4 nodes x 8 (the seed's run), on every node with its --machine_rank:
+    accelerate launch --config_file accelerate_configs/multi_node_4x8.yaml --machine_rank $NODE_RANK \\
+        --main_process_ip $MASTER recipes/resnet50.py --data_dir /data/imagenet --batch_size 256 --epochs 100 \\
+        --lr 0.004 --weight_decay 0.1 --beta 0.95 --warmup_epochs 10 --hierarchy --output_dir outputs/resnet50
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+
+import timm
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from timm.data import ImageDataset, create_transform
+from timm.optim import param_groups_weight_decay
+from tqdm.auto import tqdm
+from transformers import HfArgumentParser
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from embedded_data import write_digits_image_folder  # noqa: E402
+
+from birder_hf import Birder, Topology  # noqa: E402
+from birder_hf.integrations.accelerate import check_really_distributed, register_birder_hook  # noqa: E402
+from birder_hf.integrations.transformers import birder_model_card_section  # noqa: E402
+
+logger = logging.getLogger("resnet50")
+
+
+@dataclass
+class Args:
+    model: str = field(default="resnet50", metadata={"help": "Any timm model name."})
+    pretrained: bool = field(default=False, metadata={"help": "Load timm's pretrained weights (needs the Hub)."})
+    data_dir: str | None = field(default=None, metadata={"help": "ImageNet-style folder; default: embedded digits."})
+    image_size: int | None = field(default=None, metadata={"help": "Input size (default 224, embedded data 32)."})
+    output_dir: str = field(default="outputs/resnet50", metadata={"help": "Checkpoints, metrics, final model."})
+    epochs: int = field(default=6, metadata={"help": "Training epochs."})
+    max_steps: int | None = field(default=None, metadata={"help": "Stop after this many optimizer steps in all."})
+    batch_size: int = field(default=32, metadata={"help": "Images per process per step."})
+    optimizer: str = field(default="birder", metadata={"help": "birder | sgdm | adamw."})
+    lr: float = field(default=0.004, metadata={"help": "Peak learning rate (the seed: 0.004 for Birder)."})
+    weight_decay: float = field(default=0.1, metadata={"help": "Decoupled weight decay (not on biases/norms)."})
+    beta: float = field(default=0.95, metadata={"help": "Birder's beta."})
+    momentum: float = field(default=0.9, metadata={"help": "sgdm only."})
+    warmup_epochs: float = field(default=0.0, metadata={"help": "Linear lr warm-up (the seed: 10 of 100)."})
+    lr_step_epochs: int = field(default=30, metadata={"help": "Divide the lr by 10 every this many epochs."})
+    comm_method: str = field(default="hierarchical", metadata={"help": "allgather | scatter_gather | hierarchical."})
+    hierarchy: bool = field(default=False, metadata={"help": "The seed's --hierarchy: --comm_method hierarchical."})
+    inter_method: str = field(default="allgather", metadata={"help": "hierarchical: allgather | scatter_gather."})
+    num_nodes: int | None = field(default=None, metadata={"help": "Override the node layout (simulate nodes)."})
+    chunk_numel: int | None = field(default=None, metadata={"help": "The seed's --all_gather_by_chunks."})
+    save_every_epochs: int = field(default=1, metadata={"help": "Checkpoint every this many epochs (0: never)."})
+    resume_from_checkpoint: str | None = field(default=None, metadata={"help": "A checkpoint-<step> folder."})
+    seed: int = field(default=42, metadata={"help": "Seed of everything (data order, init, Birder's bits)."})
+    workers: int = field(default=0, metadata={"help": "DataLoader workers per process."})
+    push_to_hub: bool = field(default=False, metadata={"help": "Upload the final model folder (needs the Hub)."})
+    hub_model_id: str | None = field(default=None, metadata={"help": "Repository for --push_to_hub."})
+
+    def __post_init__(self):
+        if self.optimizer not in ("birder", "sgdm", "adamw"):
+            raise ValueError(f"--optimizer must be birder, sgdm or adamw, got {self.optimizer!r}")
+        if self.hierarchy:
+            self.comm_method = "hierarchical"
+        if self.data_dir is not None and not os.path.isdir(os.path.join(self.data_dir, "train")):
+            raise ValueError(f"--data_dir {self.data_dir} needs train/<class>/ and val/<class>/ folders.")
+
+
+def build_dataloaders(args, accelerator):
+    data_dir = args.data_dir
+    if data_dir is None:
+        data_dir = os.path.join(args.output_dir, "embedded_digits")
+        with accelerator.main_process_first():
+            write_digits_image_folder(data_dir, image_size=32)
+    size = args.image_size or (224 if args.data_dir else 32)
+    train = ImageDataset(os.path.join(data_dir, "train"), transform=create_transform(size, is_training=True))
+    val = ImageDataset(os.path.join(data_dir, "val"), transform=create_transform(size, is_training=False))
+    loader = dict(batch_size=args.batch_size, num_workers=args.workers)
+    g = torch.Generator().manual_seed(args.seed)
+    train_loader = torch.utils.data.DataLoader(train, shuffle=True, drop_last=True, generator=g, **loader)
+    val_loader = torch.utils.data.DataLoader(val, shuffle=False, **loader)
+    return train_loader, val_loader, len(train.reader.class_to_idx)
+
+
+def build_model(args, num_classes):
+    return timm.create_model(args.model, pretrained=args.pretrained, num_classes=num_classes)
+
+
+def build_optimizer(args, model):
+    groups = param_groups_weight_decay(model, args.weight_decay)  # no decay on biases and norm weights
+    if args.optimizer == "birder":
+        return Birder(groups, lr=args.lr, beta=args.beta, seed=args.seed)
+    if args.optimizer == "sgdm":
+        return torch.optim.SGD(groups, lr=args.lr, momentum=args.momentum)
+    return torch.optim.AdamW(groups, lr=args.lr)
+
+
+def lr_factor(step, steps_per_epoch, args):
+    """The seed's schedule: linear warm-up, then / 10 every ``lr_step_epochs`` epochs."""
+    epoch = step / steps_per_epoch
+    if epoch < args.warmup_epochs:
+        return (step + 1) / (args.warmup_epochs * steps_per_epoch)
+    return 0.1 ** math.floor(epoch / args.lr_step_epochs)
+
+
+def evaluate(model, loader, accelerator):
+    model.eval()
+    correct = total = 0
+    with torch.no_grad():
+        for images, labels in loader:
+            preds = accelerator.gather_for_metrics(model(images).argmax(-1))
+            labels = accelerator.gather_for_metrics(labels)
+            correct += (preds == labels).sum().item()
+            total += labels.numel()
+    model.train()
+    return 100.0 * correct / max(total, 1)
+
+
+def train(args):
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    check_really_distributed(accelerator.num_processes)  # the accelerate --multi_gpu-on-CPU trap
+    if not accelerator.is_main_process:
+        logging.getLogger().setLevel(logging.WARNING)
+    set_seed(args.seed)
+    train_loader, val_loader, num_classes = build_dataloaders(args, accelerator)
+    model = build_model(args, num_classes)
+    optimizer = build_optimizer(args, model)
+    model, optimizer, train_loader, val_loader = accelerator.prepare(model, optimizer, train_loader, val_loader)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, len(train_loader), args))
+    accelerator.register_for_checkpointing(scheduler)
+    hook_state = None
+    if args.optimizer == "birder":  # Birder: the 1-bit hook (and per-rank state in save_state/load_state)
+        topology = None
+        if args.num_nodes and accelerator.num_processes > 1:
+            topology = Topology.from_layout(args.num_nodes, accelerator.num_processes // args.num_nodes)
+        hook_state = register_birder_hook(
+            accelerator,
+            model,
+            optimizer,
+            topology=topology,
+            method=args.comm_method,
+            inter_method=args.inter_method,
+            chunk_numel=args.chunk_numel,
+        )
+    logger.info(
+        "world size %d, %s, optimizer %s, %s",
+        accelerator.num_processes,
+        args.model,
+        args.optimizer,
+        hook_state.topology if hook_state else "no 1-bit hook",
+    )
+
+    steps_per_epoch = len(train_loader)
+    total_steps = args.epochs * steps_per_epoch if args.max_steps is None else args.max_steps
+    step = 0
+    if args.resume_from_checkpoint:
+        accelerator.load_state(args.resume_from_checkpoint)
+        with open(os.path.join(args.resume_from_checkpoint, "recipe_state.json")) as f:
+            step = json.load(f)["step"]
+    history, loss_sum, loss_n = [], 0.0, 0
+    bar = tqdm(total=total_steps, initial=step, disable=not accelerator.is_main_process, desc="train")
+    model.train()
+    while step < total_steps:
+        epoch, offset = divmod(step, steps_per_epoch)
+        train_loader.set_epoch(epoch)
+        batches = accelerator.skip_first_batches(train_loader, offset) if offset else train_loader
+        for images, labels in batches:
+            loss = torch.nn.functional.cross_entropy(model(images), labels)
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            loss_sum, loss_n = loss_sum + loss.item(), loss_n + 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+            if step % steps_per_epoch == 0 or step == total_steps:
+                record = {
+                    "epoch": step / steps_per_epoch,
+                    "step": step,
+                    "train_loss": loss_sum / loss_n,
+                    "val_top1": evaluate(model, val_loader, accelerator),
+                    "lr": scheduler.get_last_lr()[0],
+                }
+                if hook_state is not None:
+                    record.update(hook_state.stats.as_dict("comm/"))
+                history.append(record)
+                loss_sum, loss_n = 0.0, 0
+                logger.info("epoch %.2f: %s", record["epoch"], json.dumps(record))
+                if args.save_every_epochs and step % (args.save_every_epochs * steps_per_epoch) == 0:
+                    save_checkpoint(accelerator, args, step)
+            if step >= total_steps:
+                break
+    bar.close()
+    return finish(accelerator, args, model, optimizer, history, hook_state)
+
+
+def save_checkpoint(accelerator, args, step):
+    path = os.path.join(args.output_dir, f"checkpoint-{step}")
+    accelerator.save_state(path)  # model, rank 0's optimizer, scheduler, RNGs; Birder: every rank's own state
+    if accelerator.is_main_process:
+        with open(os.path.join(path, "recipe_state.json"), "w") as f:
+            json.dump({"step": step}, f)
+    accelerator.wait_for_everyone()
+
+
+def finish(accelerator, args, model, optimizer, history, hook_state):
+    results = {
+        "world_size": accelerator.num_processes,
+        "optimizer": args.optimizer,
+        "model": args.model,
+        "args": asdict(args),
+        "epochs": history,
+        **{f"final_{k}": v for k, v in history[-1].items()},
+    }
+    if hook_state is not None:
+        results["comm/topology"] = repr(hook_state.topology)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
+        with open(os.path.join(args.output_dir, "all_results.json"), "w") as f:
+            json.dump(results, f, indent=2)
+        with open(os.path.join(args.output_dir, "metrics.jsonl"), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in history)
+        save_model(accelerator, args, model, optimizer, results)
+        print(
+            f"top-1 {history[-1]['val_top1']:.1f}% after {history[-1]['epoch']:.2f} epochs "
+            f"({args.optimizer}, world size {accelerator.num_processes})",
+            flush=True,
+        )
+    accelerator.wait_for_everyone()
+    return results
+
+
+def save_model(accelerator, args, model, optimizer, results):
+    """Hub-ready folder: timm's config.json + model.safetensors and a model card naming Birder."""
+    from timm.models import save_for_hf
+
+    folder = os.path.join(args.output_dir, "model")
+    save_for_hf(accelerator.unwrap_model(model), folder, safe_serialization=True)
+    card = [
+        f"---\nlibrary_name: timm\ntags: [image-classification, timm, birder]\n---\n# {args.model}\n",
+        f"Top-1 {results['final_val_top1']:.2f}% on {args.data_dir or 'the embedded digits'}.\n",
+    ]
+    if args.optimizer == "birder":
+        from birder_hf.integrations.transformers import BirderArguments
+
+        b = BirderArguments(
+            beta=args.beta,
+            comm_method=args.comm_method,
+            inter_method=args.inter_method,
+            chunk_numel=args.chunk_numel,
+            num_nodes=args.num_nodes,
+        )
+        card.append(birder_model_card_section(optimizer.optimizer, b))
+    with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as f:
+        f.write("\n".join(card))
+    if args.push_to_hub:
+        from huggingface_hub import HfApi
+
+        api = HfApi()
+        repo = api.create_repo(args.hub_model_id or os.path.basename(args.output_dir), exist_ok=True)
+        api.upload_folder(repo_id=repo.repo_id, folder_path=folder, commit_message="Birder training run")
+
+
+def main(argv=None):
+    (args,) = HfArgumentParser(Args).parse_args_into_dataclasses(args=argv)
+    return train(args)
+
+
+if __name__ == "__main__":
+    main()
