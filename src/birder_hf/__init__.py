@@ -8,6 +8,7 @@ __version__ = "0.1.0"
 
 from .collectives import CommStats, onebit_all_reduce
 from .hook import BirderHookState, birder_hook
+from .onebit_adam import OneBitAdam, OneBitAdamHookState, onebit_adam_hook
 from .optim import Birder, birder
 from .topology import Topology
 
@@ -19,5 +20,8 @@ __all__ = [
     "CommStats",
     "BirderHookState",
     "birder_hook",
+    "OneBitAdam",
+    "OneBitAdamHookState",
+    "onebit_adam_hook",
     "__version__",
 ]
