@@ -236,3 +236,23 @@ def test_requires_process_group():
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="init_process_group"):
         BirderHookState(Birder(_model().parameters()))
+
+
+def test_hook_follows_param_groups_replaced_by_load_state_dict():
+    # load_state_dict replaces the group dicts; the hook must read the loaded beta, not a stale copy
+    def fn(rank, world):
+        model = _model()
+        ddp = DDP(model)
+        opt = Birder(model.parameters(), lr=0.01, beta=0.9, seed=5)
+        ddp.register_comm_hook(BirderHookState(opt), birder_hook)
+        other = Birder(_model().parameters(), lr=0.01, beta=0.5, seed=5)
+        opt.load_state_dict(other.state_dict())
+        x, y = _batch(rank, 0)
+        reference = _model()
+        (reference(x) - y).pow(2).mean().backward()
+        (ddp(x) - y).pow(2).mean().backward()
+        opt.step()
+        p, g = next(model.parameters()), next(reference.parameters()).grad
+        return torch.allclose(opt.state[p]["exp_avg"], 0.5 * g, rtol=0, atol=1e-7)
+
+    assert all(run_distributed(fn, 2))

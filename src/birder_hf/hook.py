@@ -70,7 +70,6 @@ class BirderHookState:
         "_scratch",
         "_flags",
         "_seen_params",
-        "_groups",
         # statistics
         "stats",
         "steps_communicated",
@@ -110,7 +109,6 @@ class BirderHookState:
         self._scratch: dict[torch.Tensor, tuple] = {}  # param -> the buffers the next step writes into
         self._flags: list[torch.Tensor] = []
         self._seen_params: set[torch.Tensor] = set()
-        self._groups = {p: g for g in optimizer.param_groups for p in g["params"]}
         self.stats = CommStats()
         self.steps_communicated = 0
         self.skipped_steps = 0
@@ -178,7 +176,7 @@ def birder_hook(state: BirderHookState, bucket: dist.GradBucket) -> torch.future
     by_group: dict[int, list] = {}
     ids, sizes, steps, offset = [], [], [], 0
     for p, g in zip(params, grads):
-        group = state._groups.get(p)
+        group = opt.group_of(p)
         if group is None:
             raise RuntimeError(
                 f"A DDP parameter of shape {tuple(p.shape)} is not in the Birder optimizer; every parameter "

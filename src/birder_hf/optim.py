@@ -139,7 +139,7 @@ class Birder(Optimizer):
         self._topology = topology
         self._comm_method = comm_method
         self._hook_state = None  # set by BirderHookState: DDP's hook owns m, b and the all-reduce
-        self._param_ids: dict[torch.Tensor, int] | None = None
+        self._param_ids: dict[torch.Tensor, tuple[int, dict]] | None = None
         # set by a framework's checkpoint-load hook: this rank's own state, which the framework's next
         # load_state_dict (of rank 0's state) must take instead (birder_hf.checkpoint)
         self._rank_state_override: dict | None = None
@@ -189,11 +189,22 @@ class Birder(Optimizer):
     def seed(self) -> int:
         return int(self.param_groups[0]["seed"])
 
+    def _index(self) -> dict[torch.Tensor, tuple[int, dict]]:
+        # param -> (its index over all groups, its group); rebuilt after add_param_group / load_state_dict,
+        # which replace the group dicts
+        if self._param_ids is None:
+            pairs = [(p, g) for g in self.param_groups for p in g["params"]]
+            self._param_ids = {p: (i, g) for i, (p, g) in enumerate(pairs)}
+        return self._param_ids
+
     def param_index(self, p: torch.Tensor) -> int:
         """The stable index of ``p`` in the optimizer (its order over all param groups); keys its bits."""
-        if self._param_ids is None:
-            self._param_ids = {q: i for i, q in enumerate(q for g in self.param_groups for q in g["params"])}
-        return self._param_ids[p]
+        return self._index()[p][0]
+
+    def group_of(self, p: torch.Tensor) -> dict | None:
+        """The param group that holds ``p`` (``None`` if the optimizer does not own it)."""
+        entry = self._index().get(p)
+        return None if entry is None else entry[1]
 
     def _init_state(self, p: torch.Tensor, amsgrad: bool) -> dict:
         state = self.state[p]
