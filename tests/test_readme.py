@@ -1,0 +1,32 @@
+"""The README's Python snippets run as written (each names its launch command on its first line)."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+SNIPPETS = re.findall(r"```python\n# run: (.+?)\n(.*?)```", README, flags=re.S)
+
+
+def test_readme_has_the_snippets():
+    assert len(SNIPPETS) == 4  # DDP, Trainer, accelerate, timm
+
+
+@pytest.mark.parametrize("command, code", SNIPPETS, ids=["ddp", "trainer", "accelerate", "timm"][: len(SNIPPETS)])
+def test_snippet_runs(command, code, tmp_path):
+    script = tmp_path / "snippet.py"
+    script.write_text(code)
+    argv = command.format(file=script).split()
+    if argv[0] == "python":
+        argv[0] = sys.executable
+    elif argv[0] == "torchrun":
+        argv = [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT + "/src"}
+    res = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    if "torch.distributed.run" in argv:
+        assert "fewer bytes than fp32 all-reduce" in res.stdout
