@@ -98,10 +98,21 @@ def _trainer_run(rank, world, out_dir, resume, max_steps, extra_args=None):
 
 def test_trainer_hook_logs_and_exact_resume(tmp_path):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    straight = run_distributed(_trainer_run, 2, a, None, 8, timeout=240, local_world_size=2, env=_launcher_env())
+    extra = {"gradient_accumulation_steps": 2, "bf16": True}  # no_sync micro-batches, bf16 autocast
+    straight = run_distributed(
+        _trainer_run, 2, a, None, 8, extra, timeout=240, local_world_size=2, env=_launcher_env()
+    )
     assert os.path.isfile(os.path.join(a, "checkpoint-4", "birder", "rank_00001-of-00002.pt"))
     resumed = run_distributed(
-        _trainer_run, 2, b, os.path.join(a, "checkpoint-4"), 8, timeout=240, local_world_size=2, env=_launcher_env()
+        _trainer_run,
+        2,
+        b,
+        os.path.join(a, "checkpoint-4"),
+        8,
+        extra,
+        timeout=240,
+        local_world_size=2,
+        env=_launcher_env(),
     )
     for s, r in zip(straight, resumed):
         assert s["optimizer"] == "Birder" and s["comm_hook"] == "birder_hook"  # the 1-bit hook replaced fp32

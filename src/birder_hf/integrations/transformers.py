@@ -62,6 +62,9 @@ class BirderArguments:
         default=None, metadata={"help": "Elements per collective (bounds receive buffers; higher => fewer calls)."}
     )
     amsgrad: bool = field(default=False, metadata={"help": "Use max_t b_t (the theory's variant)."})
+    quantize: bool = field(
+        default=True, metadata={"help": "Binary randomization; False sends u itself (one process only, a reference)."}
+    )
     num_nodes: int | None = field(
         default=None,
         metadata={
@@ -163,6 +166,7 @@ class BirderTrainerMixin:
                     beta=self.birder_args.beta,
                     weight_decay=self.args.weight_decay,
                     amsgrad=self.birder_args.amsgrad,
+                    quantize=self.birder_args.quantize,
                     seed=self.args.seed,
                 ),
             )
