@@ -1,4 +1,4 @@
-"""Codec benchmark: 1-bit quantize + pack (and unpack, vote counting) against a plain copy, one thread.
+"""Codec benchmark: 1-bit quantize + pack (and the decode kernels) against a plain copy, one thread.
 
     python benchmarks/codec.py --numel 25000000 --repeats 7 --out docs/results/codec.json
 
@@ -37,12 +37,14 @@ def run(numel: int, repeats: int, threads: int, compile_codec: bool = True) -> d
     dst = torch.empty_like(u)
     key = Q.derive_key(0, 1)
     packed = Q.quantize_pack(u, key)
-    counts = torch.zeros(numel - numel % 8, dtype=torch.int16)
+    votes = torch.stack([Q.quantize_pack(u, Q.derive_key(0, r)) for r in range(4)])  # 4 ranks' packed votes
     kernels = {
         "copy_ fp32": lambda: dst.copy_(u),
         "quantize+pack": lambda: Q.quantize_pack(u, key),
         "unpack": lambda: Q.unpack_bits(packed, numel),
-        "add_votes_": lambda: Q.add_votes_(counts, packed[: counts.numel() // 8]),
+        "mean of 4 votes": lambda: Q.votes_mean_(dst, votes),  # allgather's decode, into fp32
+        "signs": lambda: Q.votes_mean_(dst, votes[:1]),  # scatter_gather's decode
+        "requantize 4 votes": lambda: Q.requantize_pack(votes, key),  # a shard owner's count + draw + pack
         "rand_like < p (naive)": lambda: torch.rand_like(u) < 0.5,
     }
     times = {}

@@ -7,6 +7,9 @@ Forks ``--world-size`` gloo ranks on this host (one thread each). The hierarchic
 numbers show the codec's cost next to the bytes saved, not a real inter-node gain (FACTS.md: the
 benchmark testbed shapes links for that). Each repetition runs every method once, in turn, after a
 barrier; a method's time is that of its slowest rank; the table gives the median over repetitions.
+"cpu ms" is the CPU time of all ranks together (``time.process_time``, every thread of each rank) for one
+call: on an oversubscribed or shared machine it measures the local compute better than the wall time.
+``--reuse-out`` passes a preallocated ``out=`` (on CPU a fresh 4-byte-per-element output costs page faults).
 Writes JSON to ``--out`` (default ``docs/results/collectives.json``).
 """
 
@@ -56,6 +59,7 @@ def _rank(rank, world, init_file, args, q):
         g = torch.Generator().manual_seed(rank)
         u = torch.rand(args.numel, generator=g).mul_(2).sub_(1)
         buf = torch.empty_like(u)
+        out = torch.empty_like(u) if args.reuse_out else None
 
         def run(case, seed, stats=None):
             name, layout, method, inter = case
@@ -71,6 +75,7 @@ def _rank(rank, world, init_file, args, q):
                 generator=seed,
                 chunk_numel=args.chunk_numel,
                 stats=stats,
+                **({} if out is None else {"out": out}),
             )
 
         cases = _cases(world)
@@ -83,14 +88,16 @@ def _rank(rank, world, init_file, args, q):
             if rank == 0:
                 print(f"  warm-up {case[0]} done", flush=True)
         times = {case[0]: [] for case in cases}
+        cpu = {case[0]: [] for case in cases}
         codec = []
         keys = BitKeys.single(1, 0, args.numel)
         for rep in range(args.repeats):
             for case in cases:
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 run(case, rep + 1)
                 times[case[0]].append(time.perf_counter() - t0)
+                cpu[case[0]].append(time.process_time() - c0)
             t0 = time.perf_counter()
             keys.quantize_pack(u, 0, STAGE_WORKER, rank)
             codec.append(time.perf_counter() - t0)
@@ -98,7 +105,13 @@ def _rank(rank, world, init_file, args, q):
                 print(f"  repetition {rep + 1}/{args.repeats} done", flush=True)
         dist.barrier()
         dist.destroy_process_group()
-        q.put((rank, True, {"times": times, "codec": codec, "stats": {k: v.as_dict("") for k, v in stats.items()}}))
+        q.put(
+            (
+                rank,
+                True,
+                {"times": times, "cpu": cpu, "codec": codec, "stats": {k: v.as_dict("") for k, v in stats.items()}},
+            )
+        )
     except BaseException:
         q.put((rank, False, traceback.format_exc()))
 
@@ -109,6 +122,7 @@ def main(argv=None):
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--chunk-numel", type=int, default=None, help="onebit_all_reduce chunk_numel")
+    parser.add_argument("--reuse-out", action="store_true", help="write d into a preallocated out= buffer")
     parser.add_argument("--out", default="docs/results/collectives.json")
     parser.add_argument("--timeout", type=float, default=900)
     args = parser.parse_args(argv)
@@ -145,15 +159,19 @@ def main(argv=None):
     names = [c[0] for c in _cases(world)]
     layouts = {c[0]: c for c in _cases(world)}
     rows = []
-    base = None
+    base = base_cpu = None
     for name in names:
         per_rep = [max(results[r]["times"][name][i] for r in range(world)) for i in range(args.repeats)]
         med = statistics.median(per_rep) * 1e3
+        cpu_ms = statistics.median(sum(results[r]["cpu"][name][i] for r in range(world)) for i in range(args.repeats))
+        cpu_ms *= 1e3
         base = med if base is None else base
+        base_cpu = cpu_ms if base_cpu is None else base_cpu
         st = results[0]["stats"][name]
         _, layout, method, inter = layouts[name]
         row = {"method": name, "median_ms": round(med, 2), "min_ms": round(min(per_rep) * 1e3, 2)}
         row["ratio_vs_all_reduce"] = round(med / base, 3)
+        row["cpu_ms_all_ranks"], row["cpu_ratio_vs_all_reduce"] = round(cpu_ms, 2), round(cpu_ms / base_cpu, 3)
         if method is None:
             row["bytes_sent_per_rank"] = round(2 * (world - 1) / world * 4 * args.numel)
         else:
@@ -170,6 +188,7 @@ def main(argv=None):
             "world_size": world,
             "repeats": args.repeats,
             "chunk_numel": args.chunk_numel,
+            "reuse_out": args.reuse_out,
             "backend": "gloo (loopback)",
             "threads_per_rank": 1,
             "torch": torch.__version__,
@@ -183,11 +202,13 @@ def main(argv=None):
     with open(args.out, "w") as f:
         json.dump(out, f, indent=2)
 
-    print(f"\n{'method':<40} {'median ms':>10} {'vs all_reduce':>14} {'bytes/rank':>12} {'inter-node':>12}")
+    head = f"{'method':<40} {'median ms':>10} {'vs all_reduce':>14} {'cpu ms':>8} {'vs':>6}"
+    print(f"\n{head} {'bytes/rank':>12} {'inter-node':>12}")
     for row in rows:
         inter = row.get("inter_node_bytes", "")
         print(
             f"{row['method']:<40} {row['median_ms']:>10.1f} {row['ratio_vs_all_reduce']:>13.2f}x "
+            f"{row['cpu_ms_all_ranks']:>8.0f} {row['cpu_ratio_vs_all_reduce']:>5.2f}x "
             f"{row['bytes_sent_per_rank']:>12,} {inter if inter == '' else f'{inter:,}':>12}"
         )
     print(f"codec alone (quantize + pack {args.numel:,}, slowest rank): {codec_ms:.1f} ms")

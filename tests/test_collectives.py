@@ -159,7 +159,13 @@ def test_identical_on_every_rank_and_matches_reference(world, layout, method, in
 def _exact_votes(rank, world):
     keys = BitKeys(seed=1, step=2, segment_ids=[4, 5], segment_sizes=[300, 700])
     u = _u(rank, 1000, torch.float32)
-    return u, onebit_all_reduce(u, method="allgather", generator=keys)
+    d = onebit_all_reduce(u, method="allgather", generator=keys)
+    # out=: written in place, even over u itself (u is read only before the call returns), async too
+    own = u.clone().view(10, 100)
+    same = onebit_all_reduce(own, method="allgather", generator=keys, out=own)
+    fut = onebit_all_reduce(u, method="allgather", generator=keys, out=torch.empty(1000), async_op=True)
+    assert same is own and torch.equal(own.view(-1), d) and torch.equal(fut.wait(), d)
+    return u, d
 
 
 def test_allgather_is_the_exact_mean_of_the_votes():
@@ -382,6 +388,7 @@ def _bad_in_group(rank, world):
         {"u": torch.zeros(8, device="meta")},
         {"u": torch.zeros(8), "topology": "flat"},
         {"u": torch.zeros(8), "generator": 1.5},
+        {"u": torch.zeros(8), "out": torch.zeros(8, dtype=torch.float64)},
     ):
         kwargs.setdefault("topology", topo)
         try:
@@ -394,8 +401,9 @@ def _bad_in_group(rank, world):
 
 def test_bad_arguments_in_a_group():
     for errors in run_distributed(_bad_in_group, 2):
-        (e1, m1), (e2, m2), (e3, m3), (e4, m4) = errors
+        (e1, m1), (e2, m2), (e3, m3), (e4, m4), (e5, m5) = errors
         assert e1 == "ValueError" and "describes 9 elements" in m1
         assert e2 == "ValueError" and "meta" in m2 and "gloo" in m2
         assert e3 == "TypeError" and "Topology" in m3
         assert e4 == "TypeError" and "generator" in m4
+        assert e5 == "ValueError" and "out must be" in m5 and "float64" in m5

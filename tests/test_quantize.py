@@ -107,14 +107,43 @@ def test_quantize_pack_equals_pack_of_bits(n):
     assert torch.equal(Q.quantize_bits(u[a:], key, offset=5 + a), bits[a:])
 
 
-def test_add_votes():
-    votes = torch.rand(5, 64) < 0.5
-    counts = torch.zeros(64, dtype=torch.int16)
-    for v in votes:
-        Q.add_votes_(counts, Q.pack_bits(v))
-    assert torch.equal(counts, votes.sum(0).to(torch.int16))
-    with pytest.raises(ValueError):
-        Q.add_votes_(torch.zeros(10, dtype=torch.int16), torch.zeros(2, dtype=torch.uint8))
+def _votes(m, nbytes, seed=0):
+    return torch.randint(0, 256, (m, nbytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def _reference_mean(rows, numel, dtype):  # (2c - m) / m, one rounding in the work dtype, then to dtype
+    m = rows.shape[0]
+    count = torch.stack([Q.unpack_bits(r, numel) for r in rows]).sum(0)
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    return ((2 * count - m).to(work) / m).to(dtype)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_votes_and_digits_mean(m, dtype):
+    rows = _votes(m, 13)
+    for numel in (104, 97, 16, 5, 0):
+        ref = _reference_mean(rows, numel, dtype)
+        assert torch.equal(Q.votes_mean_(torch.empty(numel, dtype=dtype), rows), ref)
+        # the same counts as binary digits (plane j = bit j of each count), with one spare plane
+        counts = torch.stack([Q.unpack_bits(r, 104) for r in rows]).sum(0)
+        planes = torch.stack([Q.pack_bits((counts >> j) & 1) for j in range(m.bit_length() + 1)])
+        assert torch.equal(Q.digits_mean_(torch.empty(numel, dtype=dtype), planes, m), ref)
+    with pytest.raises(ValueError, match="describe 104"):
+        Q.votes_mean_(torch.empty(105), rows)
+
+
+@pytest.mark.parametrize("m", [1, 3, 4])
+def test_requantize_pack_is_quantize_pack_of_the_mean(m):
+    rows, key = _votes(m, 40, seed=m), Q.derive_key(4, m)
+    mean = _reference_mean(rows, 320, torch.float32)
+    assert torch.equal(Q.requantize_pack(rows, key, 77), Q.quantize_pack(mean, key, 77))
+    # per segment, with segment borders inside bytes, and a slice that starts mid-buffer
+    keys = Q.BitKeys(3, 5, [2, 0, 1, 3], [13, 1, 250, 56])
+    assert torch.equal(keys.requantize_pack(rows, 0, Q.STAGE_SHARD, 1), keys.quantize_pack(mean, 0, Q.STAGE_SHARD, 1))
+    assert torch.equal(
+        keys.requantize_pack(rows[:, 1:30], 8, Q.STAGE_NODE, 0), keys.quantize_pack(mean[8:240], 8, Q.STAGE_NODE, 0)
+    )
 
 
 def test_bitkeys_do_not_depend_on_layout():
@@ -137,11 +166,29 @@ def test_compiled_codec_is_bitwise_equal_to_eager():
     n = Q._MIN_COMPILED_NUMEL * 2 + 13
     u = torch.rand(n) * 2 - 1
     key = Q.derive_key(1, 2, 3)
+    rows = _votes(3, n // 8 + 1)  # m = 3: no exact reciprocal, a division by a constant would show
+    counts = torch.stack([Q.unpack_bits(r, 8 * rows.shape[1]) for r in rows]).sum(0)
+    planes = torch.stack([Q.pack_bits((counts >> j) & 1) for j in range(2)])
+    keys = Q.BitKeys(3, 5, [2, 0, 1], [1001, 3, 8 * rows.shape[1] - 1004])
+
+    def run():
+        return (
+            Q.quantize_pack(u, key, 99),
+            Q.unpack_bits(Q.quantize_pack(u, key), n),
+            Q.votes_mean_(torch.empty(n), rows),
+            Q.votes_mean_(torch.empty(n, dtype=torch.bfloat16), rows[:1]),  # the +-1 signs
+            Q.digits_mean_(torch.empty(n, dtype=torch.float64), planes, 3),
+            Q.requantize_pack(rows, key, 5),  # compiled: a fused kernel; eager: mean, then quantize_pack
+            keys.requantize_pack(rows, 0, Q.STAGE_SHARD, 1),
+        )
+
     try:
         Q.set_codec_compile(True)
-        fast = (Q.quantize_pack(u, key, 99), Q.unpack_bits(Q.quantize_pack(u, key), n))
+        fast = run()
         Q.set_codec_compile(False)
-        slow = (Q.quantize_pack(u, key, 99), Q.unpack_bits(Q.quantize_pack(u, key), n))
+        slow = run()
     finally:
         Q.set_codec_compile(True)
-    assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
+    assert not Q._codec._failed
+    for a, b in zip(fast, slow, strict=True):
+        assert torch.equal(a, b)

@@ -13,8 +13,9 @@ Deviations from the paper (reconstructed: the paper's code was not available to 
     - with ``inter_method="allgather"`` the exact mean of the k node bits is kept (no re-quantization):
       step 4 shares it inside the node as the vote counts' binary digits, ``bit_length(k)`` bits per
       element (k = 1: 1 bit, k = 2, 3: 2 bits, k = 4..7: 3 bits);
-    - votes are counted bit-sliced on the packed bytes (a ripple-carry adder over uint8 words), not by
-      unpacking every rank's bits.
+    - received votes are never unpacked: fused kernels (``quantize.votes_mean_``, ``digits_mean_``,
+      ``requantize_pack``) count them straight from the packed bytes and write the mean, or its re-quantized
+      bits, in one pass; step 4's vote counts are made bit-sliced (a ripple-carry adder over the bytes).
 
 Each method returns ``d``, identical bit for bit on every rank, with ``E[d] = mean_r u_r`` (up to the
 ``2^-23`` codec bias): every draw that other ranks depend on is made on exactly one rank and then
@@ -38,6 +39,8 @@ from .quantize import (
     STAGE_SHARD,
     STAGE_WORKER,
     BitKeys,
+    digits_mean_,
+    votes_mean_,
 )
 from .topology import Topology
 
@@ -230,7 +233,7 @@ def _count_planes(rows: torch.Tensor) -> torch.Tensor:
     """The vote counts of ``m`` packed rows ``(m, P)``, as ``m.bit_length()`` packed binary digits ``(B, P)``.
 
     A bit-sliced ripple-carry adder on the packed bytes: about ``2·m·log2(m)`` byte ops on ``P = numel/8``
-    bytes, against ``m`` unpacking passes over all the elements (``add_votes_``); nothing is unpacked.
+    bytes; nothing is unpacked.
     """
     m = rows.shape[0]
     if m == 1:
@@ -245,45 +248,12 @@ def _count_planes(rows: torch.Tensor) -> torch.Tensor:
     return planes
 
 
-def _decode_mean(planes: torch.Tensor, m: int, numel: int, work_dtype: torch.dtype, out: torch.Tensor) -> None:
-    """``out[:numel] = (2·count - m) / m`` for the counts held in ``planes`` (``m = 1``: the +-1 bits).
-
-    The value is computed as in integer arithmetic then one division in ``work_dtype`` (then cast to
-    ``out.dtype``), so every rank gets the same bits and representable means are exact. It is read
-    from a table indexed by ``w``-bit groups of every plane (at most 2^12 rows): one lookup pass that
-    writes ``out`` in place, instead of unpacking and several arithmetic passes.
-    """
-    nplanes, device = planes.shape[0], planes.device
-    w = next((w for w in (8, 4, 2) if w * nplanes <= 12), 1)  # elements per table row
-    rows = torch.arange(1 << (w * nplanes), device=device).view(-1, 1)
-    pos = torch.arange(w, device=device)
-    count = sum(((rows >> (j * w + pos)) & 1) << j for j in range(nplanes))
-    table = ((2 * count - m).to(work_dtype) / m).to(out.dtype)
-    if w == 8:
-        idx = planes[0].int()
-    else:  # row index of each w-element group: bit j*w+b holds plane j's bit for element b
-        mask, groups = (1 << w) - 1, 8 // w
-        # build it in the narrowest integer type (byte ops are the cheap ones), widen on the last write
-        narrow = planes if w * nplanes <= 8 else planes.to(torch.int16 if w * nplanes < 16 else torch.int32)
-        idx = torch.empty(planes.shape[1], groups, dtype=torch.int32, device=device)
-        for q in range(groups):
-            col = (narrow[0] >> (q * w)) & mask
-            for j in range(1, nplanes):
-                col |= ((narrow[j] >> (q * w)) & mask) << (j * w)
-            idx[:, q] = col
-        idx = idx.view(-1)
-    nfull = numel // w
-    torch.index_select(table, 0, idx[:nfull], out=out[: nfull * w].view(nfull, w))
-    if numel % w:
-        out[nfull * w : numel] = table[idx[nfull]][: numel % w]
-
-
 class _Pipeline:
     """One call's plan: stage 1 (``start``) can run async; the rest (``finish``) runs after it."""
 
-    def __init__(self, topo, method, inter_method, keys, packed, out, work_dtype, wire):
+    def __init__(self, topo, method, inter_method, keys, packed, out, wire):
         self.topo, self.method, self.inter_method = topo, method, inter_method
-        self.keys, self.packed, self.out, self.work_dtype, self.wire = keys, packed, out, work_dtype, wire
+        self.keys, self.packed, self.out, self.wire = keys, packed, out, wire
 
     def start(self, c0: int, c1: int):
         send = self.packed[c0 // 8 : c1 // 8]
@@ -295,29 +265,24 @@ class _Pipeline:
         getattr(self, "_finish_" + self.method)(c0, c1, recv)
 
     # -------------------------------------------------------------------------------------- outputs
-    def _write(self, c0: int, c1: int, planes: torch.Tensor, m: int) -> None:
-        # the exact mean of m votes per element (m = 1: the +-1 bits themselves)
-        stop = min(c1, self.out.numel())
-        _decode_mean(planes, m, stop - c0, self.work_dtype, self.out[c0:stop])
+    def _write(self, c0: int, c1: int, rows: torch.Tensor) -> None:
+        # the exact mean of the votes in rows (m, P) for elements [c0, c1) (m = 1: the +-1 bits themselves)
+        votes_mean_(self.out[c0 : min(c1, self.out.numel())], rows)
 
     def _requantize(self, rows: torch.Tensor, start: int, stage: int, who: int) -> torch.Tensor:
         # mean of the votes in ``rows`` re-quantized to 1 bit; one draw, made on this rank only
-        m = rows.shape[0]
-        v = torch.empty(8 * rows.shape[1], dtype=torch.float32, device=rows.device)
-        _decode_mean(_count_planes(rows), m, v.numel(), torch.float32, v)
-        return self.keys.quantize_pack(v, start, stage, who)
+        return self.keys.requantize_pack(rows, start, stage, who)
 
     # -------------------------------------------------------------------------------------- methods
     def _finish_allgather(self, c0, c1, recv):
-        n = self.topo.world_size
-        self._write(c0, c1, _count_planes(recv.view(n, -1)), n)
+        self._write(c0, c1, recv.view(self.topo.world_size, -1))
 
     def _finish_scatter_gather(self, c0, c1, recv):
         n, r = self.topo.world_size, self.topo.rank
         shard = (c1 - c0) // n
         # average the n votes of my shard, re-quantize it, share the bits
         bits = self._requantize(recv.view(n, -1), c0 + r * shard, STAGE_SHARD, 0) if n > 1 else recv
-        self._write(c0, c1, self.wire.sync("all_gather", bits, "world").view(1, -1), 1)
+        self._write(c0, c1, self.wire.sync("all_gather", bits, "world").view(1, -1))
 
     def _finish_hierarchical(self, c0, c1, recv):
         t = self.topo
@@ -332,7 +297,9 @@ class _Pipeline:
             # 4) share that mean inside the node as its vote counts: bit_length(k) packed bits per element
             planes = _count_planes(gathered)
             full = self.wire.sync("all_gather", planes.reshape(-1), "intra").view(lws, planes.shape[0], -1)
-            self._write(c0, c1, full.transpose(0, 1).reshape(planes.shape[0], -1), k)
+            for i, block in enumerate(full):  # local rank i's shard: elements c0 + i·shard ...
+                lo = min(c0 + i * shard, self.out.numel())
+                digits_mean_(self.out[lo : min(lo + shard, self.out.numel())], block, k)
         else:
             # 3) inter-node scatter-gather of the node bits: my sub-shard's k votes, re-quantized once
             sub = shard // k
@@ -341,7 +308,7 @@ class _Pipeline:
                 mine = self._requantize(mine.view(k, -1), c0 + j * shard + g * sub, STAGE_INTER_SHARD, 0)
             shard_bits = self.wire.sync("all_gather", mine, "inter")
             # 4) intra-node all-gather of the +-1 shard results
-            self._write(c0, c1, self.wire.sync("all_gather", shard_bits, "intra").view(1, -1), 1)
+            self._write(c0, c1, self.wire.sync("all_gather", shard_bits, "intra").view(1, -1))
 
 
 # Calls on one Topology run their collectives in call order, on every rank: a pending async call's
@@ -393,6 +360,7 @@ def onebit_all_reduce(
     async_op: bool = False,
     chunk_numel: int | None = None,
     stats: CommStats | None = None,
+    out: torch.Tensor | None = None,
 ):
     """Binary-randomize each rank's ``u`` to 1 bit and all-reduce the bits to their mean.
 
@@ -420,6 +388,9 @@ def onebit_all_reduce(
             (``8`` for allgather); bounds every receive buffer by about ``n · chunk_numel / 8`` bytes
             (higher => fewer, larger collectives). The result does not depend on it.
         stats (`CommStats`, *optional*): accumulates the bytes this rank sends.
+        out (`torch.Tensor`, *optional*): a contiguous tensor with ``u``'s dtype, device and number of elements
+            to write ``d`` into (and return), instead of a new one; it may be ``u`` itself (``u`` is read only
+            before this call returns). Saves a page-faulting allocation per call on CPU.
 
     Returns:
         `torch.Tensor` (or a Future of it): ``d``, same shape and dtype as ``u``, bitwise identical on
@@ -439,8 +410,14 @@ def onebit_all_reduce(
     flat, shape = u.detach().reshape(-1), u.shape
     numel, n = flat.numel(), topo.world_size
     keys = _as_keys(generator, numel)
-    work_dtype = torch.float64 if u.dtype == torch.float64 else torch.float32
-    out = torch.empty(numel, dtype=u.dtype, device=u.device)
+    if out is None:
+        out = torch.empty(shape, dtype=u.dtype, device=u.device)
+    elif out.dtype != u.dtype or out.device != u.device or out.numel() != numel or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous tensor like u ({numel} elements of {u.dtype} on {u.device}); got "
+            f"{out.numel()} elements of {out.dtype} on {out.device}{'' if out.is_contiguous() else ', non-contiguous'}"
+        )
+    result, out = out, out.detach().view(-1)
     if stats is not None:
         stats.calls += 1
         stats.fp32_allreduce_bytes += round(2 * (n - 1) * 4 * numel / n)
@@ -453,7 +430,7 @@ def onebit_all_reduce(
         packed = torch.cat([packed, packed.new_zeros(padded // 8 - packed.numel())])
     step = padded if chunk_numel is None else max(align, int(chunk_numel) // align * align)
     chunks = [(c0, min(c0 + step, padded)) for c0 in range(0, padded, step)]
-    pipe = _Pipeline(topo, method, inter_method, keys, packed, out, work_dtype, _Wire(topo, stats))
+    pipe = _Pipeline(topo, method, inter_method, keys, packed, out, _Wire(topo, stats))
 
     def run(chunks_left, first=None, after=None):
         try:
@@ -470,7 +447,7 @@ def onebit_all_reduce(
             # Drop the process groups here: a callback's closure dies on the backend's thread, and
             # if it held the last reference, the group's destructor would join that very thread.
             pipe.topo = pipe.wire = None
-        return out.view(shape)
+        return result
 
     queue = _queue(topo)
     if not async_op:
@@ -483,7 +460,7 @@ def onebit_all_reduce(
         tail = queue.tail
         if not chunks:
             fut = torch.futures.Future(devices=[out.device] if out.device.type == "cuda" else None)
-            fut.set_result(out.view(shape))
+            fut.set_result(result)
         elif tail is None or tail.done():
             recv, work = pipe.start(*chunks[0])
             fut = work.get_future().then(lambda f: run(chunks, first=recv, after=f))

@@ -42,7 +42,9 @@ __all__ = [
     "unpack_bits",
     "quantize_bits",
     "quantize_pack",
-    "add_votes_",
+    "votes_mean_",
+    "digits_mean_",
+    "requantize_pack",
     "derive_key",
     "random_int24",
     "BitKeys",
@@ -89,15 +91,19 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ ((x >> 15) & 0x1FFFF)
 
 
-def _int24(numel: int, params: torch.Tensor, device) -> torch.Tensor:
-    # params = [k1, k2, offset] as int32; two hash rounds keyed by both key words. The counter is taken
-    # modulo 2^32. Returns int32 r, uniform on [-2^23, 2^23) (the arithmetic shift of the hash by 8).
-    idx = torch.arange(numel, dtype=torch.int32, device=device) + params[2]
+def _int24_at(idx: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    # params = [k1, k2, offset, ...] as int32; two hash rounds of the int32 counters ``idx`` (offset already
+    # added, modulo 2^32) keyed by both key words. Returns int32 r, uniform on [-2^23, 2^23) (arithmetic >> 8).
     return _hash32(_hash32(idx ^ params[0]) ^ params[1]) >> 8
 
 
-def _key_params(key: tuple[int, int], offset: int, device) -> torch.Tensor:
-    return torch.tensor([_to_i32(key[0]), _to_i32(key[1]), _to_i32(offset)], dtype=torch.int32, device=device)
+def _int24(numel: int, params: torch.Tensor, device) -> torch.Tensor:
+    return _int24_at(torch.arange(numel, dtype=torch.int32, device=device) + params[2], params)
+
+
+def _key_params(key: tuple[int, int], offset: int, device, *extra: int) -> torch.Tensor:
+    words = [_to_i32(key[0]), _to_i32(key[1]), _to_i32(offset), *extra]
+    return torch.tensor(words, dtype=torch.int32, device=device)
 
 
 def random_int24(numel: int, key: tuple[int, int], offset: int = 0, device=None) -> torch.Tensor:
@@ -105,12 +111,15 @@ def random_int24(numel: int, key: tuple[int, int], offset: int = 0, device=None)
     return _int24(numel, _key_params(key, offset, device), device)
 
 
-def _bits_impl(u: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+def _below(r: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     # 1 iff r < u * 2^23, i.e. r < ceil(u * 2^23) for the integer r; pure integer arithmetic (no masks)
     # so that the compiled kernel vectorizes (a clamp here made it 4x slower). u must lie in [-1, 1].
+    return ((r - torch.ceil(u * 8388608.0).to(torch.int32)) >> 31) & 1  # 2^23
+
+
+def _bits_impl(u: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     u = u.reshape(-1).to(torch.float32)
-    thr = torch.ceil(u * 8388608.0).to(torch.int32)  # 2^23
-    return ((_int24(u.numel(), params, u.device) - thr) >> 31) & 1
+    return _below(_int24(u.numel(), params, u.device), u)
 
 
 def _pack_impl(bits: torch.Tensor) -> torch.Tensor:
@@ -136,12 +145,58 @@ def _unpack_impl(packed: torch.Tensor) -> torch.Tensor:
     return ((b >> shifts) & 1).reshape(-1).to(torch.uint8)
 
 
-def _add_votes_impl(counts: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    return counts + _unpack_impl(packed).to(counts.dtype)
+def _vote_mean(count: torch.Tensor, m: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # (2 count - m) / m for m +-1 votes, rounded once in ``dtype``. m is a tensor: inductor would turn a
+    # division by a constant into a multiplication by its reciprocal, which is not bitwise the same.
+    return (2 * count - m).to(dtype) / m.to(dtype)
+
+
+def _pair_bits(row: torch.Tensor) -> torch.Tensor:
+    # bytes (2 S,) -> 0/1 int32 (S, 16), element 16 i + k = bit k of bytes 2i, 2i+1: rows of 16 fill the
+    # 16-lane vectors of the compiled kernel (rows of 8 ran at half speed)
+    pairs = row.view(-1, 2).to(torch.int32)
+    word = pairs[:, 0] | (pairs[:, 1] << 8)
+    return (word.view(-1, 1) >> torch.arange(16, dtype=torch.int32, device=row.device)) & 1
+
+
+def _mean_out(out: torch.Tensor, count: torch.Tensor, m: torch.Tensor) -> None:
+    # exact in the work dtype (float64 for a float64 out, else float32), then rounded to out's dtype
+    work = torch.float64 if out.dtype == torch.float64 else torch.float32
+    out.copy_(_vote_mean(count, m, work).view(-1))
+
+
+def _votes_mean_impl(rows: torch.Tensor, m: torch.Tensor, out: torch.Tensor) -> None:
+    # out = mean of the m packed +-1 vote rows (m, P) over their first out.numel() (a multiple of 16) bits
+    rows = rows[:, : out.numel() // 8]
+    _mean_out(out, sum(_pair_bits(rows[r]) for r in range(rows.shape[0])), m)
+
+
+def _digits_mean_impl(planes: torch.Tensor, m: torch.Tensor, out: torch.Tensor) -> None:
+    # the same, for vote counts given by their binary digits: plane j of (B, P) holds bit j of every count
+    planes = planes[:, : out.numel() // 8]
+    _mean_out(out, sum(_pair_bits(planes[j]) << j for j in range(planes.shape[0])), m)
+
+
+def _requantize_pack_impl(rows: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    # float32 mean of the m vote rows (m, P) (params[3] = m), then quantize_pack: few ops, for eager calls
+    count = sum(_unpack_impl(rows[r]).to(torch.int32) for r in range(rows.shape[0]))
+    return _quantize_pack_impl(_vote_mean(count, params[3], torch.float32), params)
+
+
+def _requantize_pack_fused(rows: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    # the same in one compiled pass: bit k of byte i is element 8 i + k, whose mean and counter are computed
+    # in place (nothing unpacked); eagerly it would launch ~8 (3 m + 12) small ops
+    idx = torch.arange(rows.shape[1], dtype=torch.int32, device=rows.device) * 8 + params[2]
+    rows = rows.to(torch.int32)
+    out = 0
+    for k in range(8):
+        count = sum((rows[r] >> k) & 1 for r in range(rows.shape[0]))
+        out = out | (_below(_int24_at(idx + k, params), _vote_mean(count, params[3], torch.float32)) << k)
+    return out.to(torch.uint8)
 
 
 class _Codec:
-    """Eager kernels, replaced by ``torch.compile``-d ones the first time they can be built.
+    """Eager kernels, replaced by ``torch.compile``-d ones (of ``_FUSED[name]`` if given) when they can be built.
 
     Compiled and eager kernels are bitwise identical (tested); compiling fuses hash, threshold and
     packing into one pass near memory bandwidth (``benchmarks/codec.py``).
@@ -152,24 +207,27 @@ class _Codec:
         "bits": _quantize_bits_impl,
         "pack": _pack_impl,
         "unpack": _unpack_impl,
-        "add_votes": _add_votes_impl,
+        "votes_mean": _votes_mean_impl,
+        "digits_mean": _digits_mean_impl,
+        "requantize_pack": _requantize_pack_impl,
     }
+    _FUSED = {"requantize_pack": _requantize_pack_fused}
 
     def __init__(self):
         self.enabled = True
         self._compiled: dict[str, object] = {}
-        self._failed = False
+        self._failed: set[str] = set()  # kernels that failed to compile (too many variants, no compiler, ...)
         self._lock = threading.Lock()
 
     def get(self, name: str):
-        if not self.enabled or self._failed:
+        if not self.enabled or name in self._failed:
             return self._EAGER[name]
         fn = self._compiled.get(name)
         if fn is None:
             with self._lock:
                 fn = self._compiled.get(name)
                 if fn is None:
-                    fn = torch.compile(self._EAGER[name], dynamic=True, fullgraph=True)
+                    fn = torch.compile(self._FUSED.get(name, self._EAGER[name]), dynamic=True, fullgraph=True)
                     self._compiled[name] = fn
         return fn
 
@@ -179,15 +237,16 @@ class _Codec:
             return fn(*args)
         try:
             return fn(*args)
-        except Exception as exc:  # no C++ compiler, unsupported device, ...
-            self._failed = True
-            warnings.warn(
-                f"birder_hf: torch.compile of the 1-bit codec failed ({type(exc).__name__}: {exc}); "
-                "falling back to eager kernels (bitwise identical, slower). "
-                "Call birder_hf.quantize.set_codec_compile(False) to silence this.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        except Exception as exc:  # no C++ compiler, unsupported device, recompile limit, ...
+            if not self._failed:  # warn once
+                warnings.warn(
+                    f"birder_hf: torch.compile of the 1-bit codec kernel {name!r} failed ({type(exc).__name__}: "
+                    f"{exc}); falling back to eager kernels (bitwise identical, slower). "
+                    "Call birder_hf.quantize.set_codec_compile(False) to silence this.",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            self._failed.add(name)
             return self._EAGER[name](*args)
 
 
@@ -258,15 +317,48 @@ def quantize_pack(u: torch.Tensor, key: tuple[int, int], offset: int = 0) -> tor
     return tail if head is None else torch.cat([head, tail])
 
 
-def add_votes_(counts: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """``counts += unpack_bits(packed)`` for an integer ``counts`` whose length is a multiple of 8.
+def _mean_of_counts(name: str, out: torch.Tensor, rows: torch.Tensor, m: int) -> torch.Tensor:
+    n = out.numel()
+    if not n <= 8 * rows.shape[1]:
+        raise ValueError(f"out has {n} elements, the packed rows describe {8 * rows.shape[1]}")
+    mt = torch.tensor([m], dtype=torch.int32, device=out.device)
+    head = n // 16 * 16  # the kernels write whole 16-element groups
+    if head:
+        _run(name, head, rows, mt, out[:head])
+    if head < n:  # the last < 16 elements, from the last bytes padded to a pair
+        tail = rows.new_zeros(rows.shape[0], 2)
+        last = rows[:, head // 8 : head // 8 + 2]
+        tail[:, : last.shape[1]] = last
+        full = out.new_empty(16)
+        _Codec._EAGER[name](tail, mt, full)
+        out[head:] = full[: n - head]
+    return out
 
-    Accumulates the number of +1 votes without materialising the unpacked bits of every rank.
+
+def votes_mean_(out: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``out[i] = (2 c_i - m) / m``, the exact mean of the ``m`` packed ±1 votes ``rows`` ``(m, P)`` uint8.
+
+    ``c_i`` counts the rows whose bit ``i`` is set, for ``i < out.numel() <= 8 P``; ``m = 1`` gives the signs.
+    The division is rounded once in float32 (float64 for a float64 ``out``), then to ``out``'s dtype: every
+    device gives the same bits. One pass when compiled; nothing is unpacked.
     """
-    if counts.numel() != 8 * packed.numel():
-        raise ValueError(f"counts has {counts.numel()} elements, packed bits describe {8 * packed.numel()}")
-    counts.copy_(_run("add_votes", counts.numel(), counts, packed.reshape(-1)))
-    return counts
+    return _mean_of_counts("votes_mean", out, rows, rows.shape[0])
+
+
+def digits_mean_(out: torch.Tensor, planes: torch.Tensor, m: int) -> torch.Tensor:
+    """:func:`votes_mean_` for counts of ``m`` votes given by their binary digits: ``planes`` ``(B, P)`` uint8,
+    packed like the votes, plane ``j`` holding bit ``j`` of every count (``B >= m.bit_length()``)."""
+    return _mean_of_counts("digits_mean", out, planes, m)
+
+
+def requantize_pack(rows: torch.Tensor, key: tuple[int, int], offset: int = 0) -> torch.Tensor:
+    """Binary randomization of the mean of ``m`` packed ±1 vote rows ``(m, P)``, packed: ``P`` uint8.
+
+    Bitwise equal to ``quantize_pack(v, key, offset)`` with ``v`` the float32 mean of :func:`votes_mean_`,
+    in one pass over the votes when compiled.
+    """
+    params = _key_params(key, offset, rows.device, rows.shape[0])
+    return _run("requantize_pack", 8 * rows.shape[1], rows, params)
 
 
 def binary_randomize(u: torch.Tensor, generator: torch.Generator | int | tuple[int, int] | None = None):
@@ -341,12 +433,31 @@ class BitKeys:
         return derive_key(self.seed, self.steps[segment], self.ids[segment], stage, who)
 
     def _pieces(self, start: int, stop: int):
-        # (segment, offset inside the segment, start in [start, stop), stop) for every overlap
-        ends = self.starts[1:] + [self.numel]
+        # (segment, its counter at ``start``-relative element lo, lo, hi) for every overlap with [start, stop);
+        # the last segment runs on past self.numel (padding continues its counters)
+        ends = self.starts[1:] + [max(stop, self.numel)]
         for s, (a, b) in enumerate(zip(self.starts, ends)):
             lo, hi = max(a, start), min(b, stop)
             if lo < hi:
-                yield s, lo - a, lo, hi
+                yield s, lo - a, lo - start, hi - start
+
+    def _pack(self, numel: int, start: int, stage: int, who: int, encode, device) -> torch.Tensor:
+        # packed bits of elements [start, start + numel): encode(a, b, key, counter) packs elements [a, b)
+        # (whole bytes but the buffer's last) under one key; a byte shared by two segments is OR-ed together
+        pieces = list(self._pieces(start, start + numel))
+        if len(pieces) == 1:
+            s, off, _, _ = pieces[0]
+            return encode(0, numel, self.key(s, stage, who), off)
+        out = torch.zeros(-(-numel // 8), dtype=torch.uint8, device=device)
+        for s, off, lo, hi in pieces:
+            a, b = lo - lo % 8, min(-(-hi // 8) * 8, numel)
+            part = encode(a, b, self.key(s, stage, who), off - lo % 8)
+            if lo % 8:  # drop the previous segment's elements of the first byte
+                part[:1] &= (0xFF << (lo % 8)) & 0xFF
+            if hi % 8 and hi < numel:  # and the next one's of the last byte
+                part[-1:] &= (1 << (hi % 8)) - 1
+            out[a // 8 : a // 8 + part.numel()] |= part
+        return out
 
     def quantize_pack(self, u: torch.Tensor, start: int, stage: int, who: int) -> torch.Tensor:
         """Packed bits of ``u``, the flat range ``[start, start + u.numel())`` of the buffer.
@@ -354,16 +465,20 @@ class BitKeys:
         Elements past ``self.numel`` (padding) are quantized under the last segment's key continued,
         which keeps them deterministic; callers give padding ``u = -1`` so its bit is always 0.
         """
-        stop = start + u.numel()
-        pieces = list(self._pieces(start, min(stop, self.numel)))
-        if stop > self.numel:  # padding continues the last segment's counters
-            s = len(self.ids) - 1
-            lo = max(start, self.numel)
-            pieces.append((s, lo - self.starts[s], lo, stop))
-        if len(pieces) == 1:
-            s, off, _, _ = pieces[0]
-            return quantize_pack(u, self.key(s, stage, who), off)
-        bits = torch.empty(u.numel(), dtype=torch.bool, device=u.device)
-        for s, off, lo, hi in pieces:
-            bits[lo - start : hi - start] = quantize_bits(u[lo - start : hi - start], self.key(s, stage, who), off)
-        return pack_bits(bits)
+        u = u.reshape(-1)
+
+        def encode(a, b, key, off):  # elements [a, b) of u under one key
+            return quantize_pack(u[a:b], key, off)
+
+        return self._pack(u.numel(), start, stage, who, encode, u.device)
+
+    def requantize_pack(self, rows: torch.Tensor, start: int, stage: int, who: int) -> torch.Tensor:
+        """:func:`requantize_pack` of the vote rows ``(m, P)`` of elements ``[start, start + 8 P)``, per segment.
+
+        Bitwise equal to ``self.quantize_pack(v, start, stage, who)`` for ``v`` the float32 mean of the votes.
+        """
+
+        def encode(a, b, key, off):  # elements [a, b) of the votes under one key
+            return requantize_pack(rows[:, a // 8 : b // 8], key, off)
+
+        return self._pack(8 * rows.shape[1], start, stage, who, encode, rows.device)
