@@ -6,8 +6,9 @@ feeds it data made here:
 
 - `make_squad_dataset` writes extractive-QA files in the SQuAD v1.1 JSON format. Paragraphs describe 2-3
   invented people with facts of the same kinds (birth year, city, job, favorite color, counts of things), so
-  every question has same-type distractors in its paragraph and the model must match the person and the
-  relation, not just the answer type (picking a random fact of the right type scores about 40 EM).
+  every question has same-type distractors in its paragraph: the answer type alone gives about 55 EM (a random
+  fact of the right type), the name and relation words are needed for the rest. A 2-layer BERT trained from
+  scratch learns the answer types within a few hundred steps; the binding to names takes far longer.
 - `load_squad_json` flattens SQuAD JSON into the columns of the HF ``squad`` dataset; real files load too.
 - `build_wordpiece_tokenizer` trains a BERT WordPiece vocabulary with `tokenizers` and wraps it as a
   transformers fast tokenizer (offsets, ``sequence_ids``, ``save_pretrained``).
@@ -17,10 +18,11 @@ feeds it data made here:
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 __all__ = ["make_squad_dataset", "load_squad_json", "build_wordpiece_tokenizer", "write_digits_image_folder"]
 
@@ -63,96 +65,152 @@ _COLORS = [
     "red", "blue", "green", "yellow", "purple", "orange", "teal", "crimson", "violet", "amber", "silver", "gold",
     "indigo", "maroon", "turquoise", "beige",
 ]  # fmt: skip
-_PRONOUN_PROB = 0.0
-_NUM_PEOPLE = (2, 3)
 _THINGS = ["cats", "dogs", "books", "bicycles", "guitars", "paintings", "chickens", "clocks", "lamps", "boats"]
 
-# Each relation: how a fact is written (subject is a name or a pronoun) and how it is asked.
-_FACT_TEMPLATES = {
-    "year": ["{S} was born in {V}.", "{S} was born in the year {V}.", "The year {V} is when {s} was born."],
-    "city": ["{S} lives in {V}.", "{S} moved to {V} and still lives there.", "These days {s} lives in {V}."],
-    "job": ["{S} works as {A} {V}.", "{S} earns a living as {A} {V}.", "By profession {s} is {A} {V}."],
-    "color": ["{P} favorite color is {V}.", "{S} likes the color {V} best.", "{S} always wears {V}."],
-    "count": ["{S} owns {V} {T}.", "{S} keeps {V} {T} at home.", "At home {s} has {V} {T}."],
+# Relations, grouped by answer type: name -> (fact templates, question templates). In facts {S}/{s} is the subject
+# (a name or a pronoun), {P} its possessive, {A} "a"/"an", {V} the answer, {T} a plural noun; in questions {N} is
+# the name. Same-type facts in a paragraph are the distractors: the name and the relation words (born, retired,
+# sister, car, ...) around each value are what tells them apart.
+RELATIONS = {
+    "year": {
+        "born_year": (
+            ["{S} was born in {V}.", "{S} was born in the year {V}."],
+            ["When was {N} born?", "In which year was {N} born?"],
+        ),
+        "graduated": (
+            ["{S} graduated from college in {V}.", "In {V}, {s} graduated from college."],
+            ["When did {N} graduate from college?", "In what year did {N} graduate?"],
+        ),
+        "married": (
+            ["{S} got married in {V}.", "In {V}, {s} got married."],
+            ["When did {N} get married?", "In which year did {N} marry?"],
+        ),
+        "retired": (
+            ["{S} retired in {V}.", "In {V}, {s} retired."],
+            ["When did {N} retire?", "In what year did {N} retire?"],
+        ),
+    },
+    "city": {
+        "born_city": (
+            ["{S} was born in {V}.", "{S} was born in the city of {V}."],
+            ["Where was {N} born?", "In which city was {N} born?"],
+        ),
+        "lives": (
+            ["{S} lives in {V}.", "{S} now lives in {V}."],
+            ["Where does {N} live?", "Which city does {N} live in?"],
+        ),
+        "works_in": (
+            ["{S} works in {V}.", "{P} office is in {V}."],
+            ["Where does {N} work?", "In which city does {N} work?"],
+        ),
+        "sister_city": (
+            ["{P} sister lives in {V}.", "{P} sister moved to {V}."],
+            ["Where does {N}'s sister live?", "Which city does {N}'s sister live in?"],
+        ),
+    },
+    "job": {
+        "job": (
+            ["{S} works as {A} {V}.", "{S} is {A} {V}."],
+            ["What is {N}'s job?", "What does {N} do for a living?"],
+        ),
+        "father_job": (
+            ["{P} father was {A} {V}.", "{P} father worked as {A} {V}."],
+            ["What was {N}'s father's job?", "What did {N}'s father do?"],
+        ),
+        "sister_job": (
+            ["{P} sister is {A} {V}.", "{P} sister works as {A} {V}."],
+            ["What does {N}'s sister do?", "What is the job of {N}'s sister?"],
+        ),
+    },
+    "color": {
+        "favorite": (
+            ["{P} favorite color is {V}.", "{S} likes the color {V} best."],
+            ["What is {N}'s favorite color?", "Which color does {N} like best?"],
+        ),
+        "car": (
+            ["{S} drives {A} {V} car.", "{P} car is {V}."],
+            ["What color is {N}'s car?", "What color car does {N} drive?"],
+        ),
+        "house": (
+            ["{P} house is painted {V}.", "{S} lives in {A} {V} house."],
+            ["What color is {N}'s house?", "What color is the house of {N}?"],
+        ),
+    },
+    "count": {
+        "owns": (
+            ["{S} owns {V} {T}.", "{S} has {V} {T}."],
+            ["How many {T} does {N} own?", "How many {T} does {N} have?"],
+        ),
+    },
 }
-_QUESTION_TEMPLATES = {
-    "year": ["What year was {N} born?", "In which year was {N} born?", "When was {N} born?"],
-    "city": ["Which city does {N} live in?", "Where does {N} live?", "In what city is {N}'s home?"],
-    "job": ["What is {N}'s job?", "What does {N} do for a living?", "What is the profession of {N}?"],
-    "color": ["What is {N}'s favorite color?", "Which color does {N} like best?", "What color does {N} prefer?"],
-    "count": ["How many {T} does {N} own?", "How many {T} does {N} have?", "What number of {T} does {N} keep?"],
+# One relation per answer type: the other people's facts are the distractors (learnable by a tiny BERT).
+DEFAULT_RELATIONS = ("born_year", "lives", "job", "favorite", "owns")
+_VALUE_POOLS = {
+    "year": [str(y) for y in range(1850, 2021)],
+    "count": [str(c) for c in range(2, 60)],
+    "city": _CITIES,
+    "job": _JOBS,
+    "color": _COLORS,
 }
 
 
-def _draw_values(rng: random.Random, relation: str, n: int) -> list[str]:
-    """n distinct values of one relation, so that same-type facts in a paragraph are real distractors."""
-    if relation == "year":
-        return [str(y) for y in rng.sample(range(1820, 2011), n)]
-    if relation == "count":
-        return [str(c) for c in rng.sample(range(2, 60), n)]
-    pool = {"city": _CITIES, "job": _JOBS, "color": _COLORS}[relation]
-    return rng.sample(pool, n)
+def _make_paragraph(
+    rng: random.Random, num_people: int, facts_per_person: tuple[int, int], relations: dict, num_questions: int
+) -> tuple[str, str, list]:
+    """A paragraph about ``num_people`` people with a few facts each; returns title, context and questions.
 
+    Questions are (question, answer_text, answer_start) triples. All values of one answer type in a paragraph
+    are distinct, so every other fact of that type is a distractor with a different answer.
+    """
+    people = []
+    for _ in range(num_people):
+        pronoun = rng.choice(("she", "he"))
+        taken = {p[0] for p in people}  # first names are unique within a paragraph
+        first = rng.choice([f for f in _FIRST_NAMES[pronoun] if f not in taken])
+        facts = rng.sample(sorted(relations), rng.randint(*facts_per_person))
+        people.append((first, rng.choice(_LAST_NAMES), pronoun, facts))
+    # draw each answer type's values at once, so they are distinct across people and relations
+    needed = collections.Counter(relations[r][0] for p in people for r in p[3])
+    values = {t: rng.sample(_VALUE_POOLS[t], n) for t, n in sorted(needed.items())}
+    nouns = rng.sample(_THINGS, needed["count"])
 
-def _make_paragraph(rng: random.Random, num_people: int, questions_per_paragraph: int) -> tuple[str, str, list]:
-    """One context with its questions as (question, answer_text, answer_start) triples."""
-    relations = list(_FACT_TEMPLATES)
-    genders = [rng.choice(("she", "he")) for _ in range(num_people)]
-    firsts: list[str] = []
-    for g in genders:  # first names unique within a paragraph
-        firsts.append(rng.choice([f for f in _FIRST_NAMES[g] if f not in firsts]))
-    lasts = rng.sample(_LAST_NAMES, num_people)
-    values = {r: _draw_values(rng, r, num_people) for r in relations}
-    things = [rng.choice(_THINGS) for _ in range(num_people)]  # may repeat: the name must decide
-
-    context = ""
-    facts = []  # (person, relation, value, char_start)
-    for p in range(num_people):
-        full, pronoun = f"{firsts[p]} {lasts[p]}", genders[p]
-        possessive = "her" if pronoun == "she" else "his"
-        person_relations = rng.sample(relations, rng.randint(3, 4))
-        for k, rel in enumerate(person_relations):
-            # the first fact names the person in full; later ones use the first name or a pronoun
-            later = rng.random() < _PRONOUN_PROB
-            subject = full if k == 0 else (pronoun if later else firsts[p])
-            poss = f"{full}'s" if k == 0 else (possessive if later else f"{firsts[p]}'s")
-            template = rng.choice(_FACT_TEMPLATES[rel])
-            value = values[rel][p]
+    context, qas = "", []
+    for first, last, pronoun, facts in people:
+        full, possessive = f"{first} {last}", "her" if pronoun == "she" else "his"
+        for k, rel in enumerate(facts):
+            answer_type, fact_templates, question_templates = relations[rel]
+            value = values[answer_type].pop()
+            noun = nouns.pop() if answer_type == "count" else ""
+            # the first sentence names the person in full; later ones the first name or a pronoun
+            use_pronoun = k > 0 and rng.random() < 0.5
+            subject = full if k == 0 else (pronoun if use_pronoun else first)
+            poss = f"{full}'s" if k == 0 else (possessive if use_pronoun else f"{first}'s")
             article = "an" if value[0] in "aeiou" else "a"
-            filled = template.format(S=subject, s=subject, P=poss, A=article, V="\x00", T=things[p])
-            filled = filled[0].upper() + filled[1:]
-            start = len(context) + (1 if context else 0) + filled.index("\x00")
-            context = f"{context} {filled}" if context else filled
-            context = context.replace("\x00", value)
-            facts.append((p, rel, value, start))
-
-    qas = []
-    for p, rel, value, start in rng.sample(facts, min(questions_per_paragraph, len(facts))):
-        name = rng.choice((f"{firsts[p]} {lasts[p]}", firsts[p]))
-        question = rng.choice(_QUESTION_TEMPLATES[rel]).format(N=name, T=things[p])
-        assert context[start : start + len(value)] == value
-        qas.append((question, value, start))
-    title = f"{lasts[0]} and {lasts[1]}" if num_people == 2 else f"{lasts[0]}, {lasts[1]} and {lasts[2]}"
-    return title, context, qas
+            sentence = rng.choice(fact_templates).format(S=subject, s=subject, P=poss, A=article, V="\0", T=noun)
+            sentence = sentence[0].upper() + sentence[1:]
+            if context:
+                context += " "
+            start = len(context) + sentence.index("\0")
+            context += sentence.replace("\0", value)
+            question = rng.choice(question_templates).format(N=rng.choice((full, first)), T=noun)
+            qas.append((question, value, start))
+    title = " and ".join(f"{p[0]} {p[1]}" for p in people)
+    return title, context, rng.sample(qas, min(num_questions, len(qas)))
 
 
-def _squad_split(rng: random.Random, num_questions: int, prefix: str, questions_per_paragraph: int) -> dict:
-    data, count, para_id = [], 0, 0
+def _squad_split(
+    rng: random.Random, num_questions: int, prefix: str, people_range: tuple[int, int], paragraph_kwargs: dict
+) -> dict:
+    data, count = [], 0
     while count < num_questions:
-        title, context, qas = _make_paragraph(rng, rng.choice(_NUM_PEOPLE), questions_per_paragraph)
+        title, context, qas = _make_paragraph(rng, rng.randint(*people_range), **paragraph_kwargs)
         qas = qas[: num_questions - count]
-        entries = []
-        for q_idx, (question, text, start) in enumerate(qas):
-            entries.append(
-                {
-                    "id": f"{prefix}-{para_id:05d}-{q_idx}",
-                    "question": question,
-                    "answers": [{"text": text, "answer_start": start}],
-                }
-            )
+        entries = [
+            {"id": f"{prefix}-{len(data):05d}-{i}", "question": q, "answers": [{"text": text, "answer_start": start}]}
+            for i, (q, text, start) in enumerate(qas)
+        ]
         data.append({"title": title, "paragraphs": [{"context": context, "qas": entries}]})
         count += len(entries)
-        para_id += 1
     return {"version": "1.1", "data": data}
 
 
@@ -161,28 +219,64 @@ def make_squad_dataset(
     num_train: int = 2400,
     num_eval: int = 240,
     seed: int = 0,
+    people_per_paragraph: tuple[int, int] = (2, 3),
+    facts_per_person: tuple[int, int] = (3, 4),
     questions_per_paragraph: int = 3,
+    relations: Sequence[str] = DEFAULT_RELATIONS,
 ) -> tuple[str, str]:
-    """Write a synthetic extractive-QA set as SQuAD v1.1 JSON (``train.json``, ``dev.json``) and return the paths.
+    """Write a synthetic extractive-QA set as SQuAD v1.1 JSON (``train.json``, ``dev.json``); return both paths.
 
-    Pure Python and deterministic: the same arguments give the same bytes. Train and eval paragraphs come from
-    separate random streams, so eval contexts are unseen combinations of names and facts. Contexts are 30-100
-    words (fits ``max_seq_length=128`` with the question).
+    Each paragraph describes a few invented people, e.g. "Oskar Larsen lives in Marrowgate. He owns 51 books.
+    Emil Engel lives in Tolvik. ..." and asks "Where does Oskar live?". Answers are spans of the context; the
+    other facts of the same type are distractors, so the question's name and relation words must be used.
+    With the defaults, contexts are 25-70 words (``max_seq_length=128`` fits them with the question) and
+    picking a random fact of the right type gives about 55 EM.
+
+    Pure Python and deterministic: the same arguments give the same bytes. Train and eval come from separate
+    random streams, so eval paragraphs are new combinations of names and values.
 
     Args:
-        out_dir: folder for ``train.json`` and ``dev.json`` (created if missing).
-        num_train / num_eval: number of questions in each split.
-        seed: seed of `random.Random`.
-        questions_per_paragraph: questions asked about each paragraph (the rest of its facts are distractors).
+        out_dir: folder for the two files (created if missing).
+        num_train, num_eval: number of questions in each split (eval has answers, as SQuAD dev does).
+        seed: seed of the `random.Random` streams.
+        people_per_paragraph: inclusive (min, max) number of people in a paragraph (more => more distractors).
+        facts_per_person: inclusive (min, max) number of facts per person, at most one per relation.
+        questions_per_paragraph: questions asked about each paragraph; its other facts stay unasked.
+        relations: names from `RELATIONS`. Several of one answer type (e.g. "born_year" and "retired") add
+            distractors within a person's own facts (harder).
     """
+    unknown = sorted(set(relations) - {name for group in RELATIONS.values() for name in group})
+    if unknown:
+        raise ValueError(f"unknown relations {unknown}; choose from {[n for g in RELATIONS.values() for n in g]}")
+    chosen = {n: (t, *RELATIONS[t][n]) for t in RELATIONS for n in RELATIONS[t] if n in relations}
+    lo, hi = people_per_paragraph
+    f_lo, f_hi = facts_per_person
+    if not (1 <= lo <= hi <= len(_FIRST_NAMES["he"])) or not (1 <= f_lo <= f_hi <= len(chosen)):
+        raise ValueError(
+            f"need 1 <= people_per_paragraph[0] <= [1] and 1 <= facts_per_person[0] <= [1] <= {len(chosen)} "
+            f"(the number of relations), got {people_per_paragraph} and {facts_per_person}"
+        )
+    per_type = collections.Counter(t for t, *_ in chosen.values())
+    for answer_type, n in per_type.items():  # worst case: every person has every relation of this type
+        pool = len(_THINGS) if answer_type == "count" else len(_VALUE_POOLS[answer_type])
+        if hi * min(n, f_hi) > pool:
+            raise ValueError(f"{hi} people x {min(n, f_hi)} '{answer_type}' facts exceed the {pool} distinct values")
+    if questions_per_paragraph < 1 or num_train < 0 or num_eval < 0:
+        raise ValueError("questions_per_paragraph must be >= 1 and num_train, num_eval >= 0")
+
     os.makedirs(out_dir, exist_ok=True)
     paths = []
-    for split, n, tag in (("train", num_train, "syn-train"), ("dev", num_eval, "syn-dev")):
-        rng = random.Random(f"{seed}-{split}")  # str seeds hash deterministically (sha512), unlike tuples
-        payload = _squad_split(rng, n, tag, questions_per_paragraph)
+    for split, num_questions in (("train", num_train), ("dev", num_eval)):
+        rng = random.Random(f"{seed}-{split}")  # str seeds are hashed with sha512: stable across runs
+        paragraph_kwargs = {
+            "facts_per_person": (f_lo, f_hi),
+            "relations": chosen,
+            "num_questions": questions_per_paragraph,
+        }
+        payload = _squad_split(rng, num_questions, f"synth-{split}", (lo, hi), paragraph_kwargs)
         path = os.path.join(out_dir, f"{split}.json")
         with open(path, "w", encoding="utf-8") as f:
-            json.dump(payload, f, ensure_ascii=False, indent=None, sort_keys=False)
+            json.dump(payload, f, ensure_ascii=False)
         paths.append(path)
     return paths[0], paths[1]
 
@@ -193,7 +287,12 @@ def load_squad_json(path: str | os.PathLike):
     Columns: ``id``, ``title``, ``context``, ``question``, ``answers`` = ``{"text": [...], "answer_start": [...]}``,
     one row per question, in file order, as HF's squad loader flattens it (contexts are not stripped).
     """
-    from datasets import Dataset, Features, List, Value
+    from datasets import Dataset, Features, Value
+
+    try:
+        from datasets import List
+    except ImportError:  # datasets < 4
+        from datasets import Sequence as List
 
     features = Features(
         {
