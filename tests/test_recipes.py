@@ -103,8 +103,6 @@ def test_bert_recipe_baseline_and_bad_arguments(tmp_path):
 
 
 def test_resnet_recipe_through_accelerate_launch(tmp_path):
-    # No ACCELERATE_USE_CPU: without CUDA the recipe asks accelerate for CPU ranks itself, so the MULTI_GPU
-    # launcher's workers form a real world of 2 instead of two lone rank-0 processes.
     out = str(tmp_path / "resnet")
     log = _run(
         [
@@ -125,7 +123,8 @@ def test_resnet_recipe_through_accelerate_launch(tmp_path):
             "32",
             "--output_dir",
             out,
-        ]
+        ],
+        ACCELERATE_USE_CPU="1",
     )
     results = json.load(open(os.path.join(out, "all_results.json")))
     assert results["world_size"] == 2 and "1-bit hierarchical hook registered" in log
