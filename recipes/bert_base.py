@@ -177,6 +177,9 @@ def build_tokenizer(model_args, train_raw, training_args):
     name = model_args.tokenizer_name or model_args.model_name_or_path
     if name:
         return AutoTokenizer.from_pretrained(name)
+    ckpt = training_args.resume_from_checkpoint
+    if ckpt and os.path.isfile(os.path.join(ckpt, "tokenizer.json")):
+        return AutoTokenizer.from_pretrained(ckpt)  # the ids the checkpoint was trained with
     folder = os.path.join(training_args.output_dir, "embedded_tokenizer")
     with training_args.main_process_first(desc="training the WordPiece tokenizer"):
         if training_args.process_index == 0 or not os.path.isdir(folder):

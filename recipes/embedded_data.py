@@ -1,4 +1,4 @@
-"""Offline data for the recipes: a synthetic SQuAD v1.1 set, a WordPiece tokenizer trained locally, and
+"""Offline data for the recipes: a synthetic SQuAD v1.1 set, a WordPiece tokenizer built locally, and
 sklearn's digits written as an ImageNet-style folder.
 
 The Hub is not reachable in CI, so each recipe keeps its real loading path (SQuAD JSON, an image folder) and
@@ -10,7 +10,7 @@ feeds it data made here:
   fact of the right type), the name and relation words are needed for the rest. A 2-layer BERT trained from
   scratch learns the answer types within a few hundred steps; the binding to names takes far longer.
 - `load_squad_json` flattens SQuAD JSON into the columns of the HF ``squad`` dataset; real files load too.
-- `build_wordpiece_tokenizer` trains a BERT WordPiece vocabulary with `tokenizers` and wraps it as a
+- `build_wordpiece_tokenizer` builds a BERT WordPiece vocabulary (deterministically) and wraps it as a
   transformers fast tokenizer (offsets, ``sequence_ids``, ``save_pretrained``).
 - `write_digits_image_folder` writes the 1797 real 8x8 digits as ``train/<class>/*.png`` and
   ``val/<class>/*.png``.
@@ -335,27 +335,35 @@ def build_wordpiece_tokenizer(
     min_frequency: int = 1,
     model_max_length: int = 512,
 ):
-    """Train a lowercase BERT WordPiece tokenizer on ``texts`` and return it as a transformers `BertTokenizerFast`.
+    """Build a lowercase BERT WordPiece tokenizer for ``texts`` and return it as a transformers `BertTokenizerFast`.
 
     The pipeline is BERT's (BertNormalizer(lowercase), BertPreTokenizer, WordPiece with ``##`` continuation,
-    ``[CLS] A [SEP] B [SEP]`` template). The result supports ``return_offsets_mapping``/``sequence_ids`` and, when
+    ``[CLS] A [SEP] B [SEP]`` template). The vocabulary is the special tokens, every character seen (alone and as a
+    ``##`` continuation, so no word of these characters is ``[UNK]``), then whole words by falling frequency (ties
+    alphabetical) while ``vocab_size`` allows; it stops short of ``vocab_size`` when the texts do not need more.
+    It is a pure function of ``texts``: `tokenizers`' ``WordPieceTrainer`` breaks ties in hash-map order, so two
+    processes trained different vocabularies on the same texts, and a resumed run read its data with other ids than
+    the checkpoint was trained on. The result supports ``return_offsets_mapping``/``sequence_ids`` and, when
     ``out_dir`` is given, is saved there with ``save_pretrained`` (reload with ``AutoTokenizer.from_pretrained``).
-    The vocabulary stops short of ``vocab_size`` when the texts do not need more.
 
     It is wrapped through ``tokenizer_object=`` rather than ``BertTokenizer(vocab_file=...)``: transformers v5
     ignores ``vocab_file`` and would map every word to ``[UNK]``.
     """
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from transformers import BertTokenizerFast
 
-    backend = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    backend.normalizer = normalizers.BertNormalizer(lowercase=True)
-    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    normalizer, pre_tokenizer = normalizers.BertNormalizer(lowercase=True), pre_tokenizers.BertPreTokenizer()
+    counts: collections.Counter[str] = collections.Counter()
+    for text in texts:
+        counts.update(word for word, _ in pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(text)))
+    chars = sorted({c for word in counts for c in word})
+    vocab = [*BERT_SPECIAL_TOKENS, *chars, *(f"##{c}" for c in chars)]
+    room = max(0, vocab_size - len(vocab))
+    words = [w for w, n in counts.items() if n >= min_frequency and len(w) > 1]
+    vocab += sorted(words, key=lambda w: (-counts[w], w))[:room]
+    backend = Tokenizer(models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]"))
+    backend.normalizer, backend.pre_tokenizer = normalizer, pre_tokenizer
     backend.decoder = decoders.WordPiece(prefix="##")
-    trainer = trainers.WordPieceTrainer(
-        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=BERT_SPECIAL_TOKENS
-    )
-    backend.train_from_iterator(texts, trainer=trainer)
     cls_id, sep_id = backend.token_to_id("[CLS]"), backend.token_to_id("[SEP]")
     backend.post_processor = processors.TemplateProcessing(
         single="[CLS]:0 $A:0 [SEP]:0",
