@@ -570,7 +570,8 @@ def _frame(bits: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 def _unframe(rows: torch.Tensor, nbytes: int):
     bits = unpack_bits(rows[:, :nbytes].contiguous(), rows.shape[0] * 8 * nbytes).view(rows.shape[0], 8 * nbytes)
-    return bits, rows[:, nbytes:].contiguous().view(torch.float32)
+    # a fresh copy, not contiguous(): a one-row slice counts as contiguous at an offset a float view refuses
+    return bits, rows[:, nbytes:].clone(memory_format=torch.contiguous_format).view(torch.float32)
 
 
 class _Done:
