@@ -361,14 +361,16 @@ def _state_dtype(p: torch.Tensor) -> torch.dtype:
 
 
 def _apply_update(params, directions, *, lr: float, weight_decay: float) -> None:
-    # x <- x - lr * (d + wd * x), computed in float32 (at least) and rounded once to the param dtype
+    # x <- x - lr * (d + wd * x) = (1 - lr wd) x - lr d: two in-place passes, no temporaries; in float32 (at least)
+    # and rounded once to the param dtype
+    decay = 1.0 - lr * weight_decay
     for p, d in zip(params, directions):
-        if p.dtype in (torch.float16, torch.bfloat16):
-            x = p.float()
-            x.add_(d.float() + weight_decay * x, alpha=-lr)
+        x = p.float() if p.dtype in (torch.float16, torch.bfloat16) else p
+        if decay != 1.0:
+            x.mul_(decay)
+        x.add_(d.to(x.dtype), alpha=-lr)
+        if x is not p:
             p.copy_(x)
-        else:
-            p.add_(d.to(p.dtype) + weight_decay * p, alpha=-lr)
 
 
 def birder(
