@@ -1,0 +1,147 @@
+"""Smoke tests of the communication benchmarks (``benchmarks/throughput.py``, its worker, ``cost_model.py``).
+
+Tiny models only: a 26k-parameter MLP on two forked local ranks (no namespaces needed), the testbed path (torchrun in
+two network namespaces) when namespaces can be created (skipped otherwise), and the cost model's arithmetic.
+"""
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from _dist import run_distributed
+
+_BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"birder_benchmarks_{name}", _BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up here
+    spec.loader.exec_module(module)
+    return module
+
+
+throughput = _load("throughput")
+cost_model = _load("cost_model")
+worker = _load("_throughput_worker")
+
+METHOD_KEYS = {
+    "method",
+    "optimizer",
+    "timed_steps",
+    "step_s",
+    "step_s_mean",
+    "samples_per_s",
+    "fwd_bwd_s",
+    "opt_s",
+    "link_per_node",
+    "inter_node_tx_bytes_per_step",
+    "commstats_per_step",
+    "analytic_bytes_per_rank",
+    "model",
+    "batch_per_proc",
+    "world_size",
+    "numel",
+}
+
+
+def _run_worker(rank, world_size, argv):
+    return worker.main(argv)
+
+
+@pytest.fixture(scope="module")
+def local_records(tmp_path_factory):
+    """Two forked ranks on loopback: every method, interleaved with two no-communication references."""
+    out = tmp_path_factory.mktemp("throughput") / "records.jsonl"
+    methods = ["fp32-sgdm", "fp16", "powersgd", "birder-allgather", "birder-scatter_gather", "birder-hierarchical"]
+    methods += ["onebitadam"]
+    refs = ["ref-compute", "ref-birder", "ref-onebitadam"]
+    argv = ["--model", "tiny-mlp", "--batch", "4", "--methods", *methods, "--refs", *refs]
+    argv += ["--rounds", "1", "--tag", json.dumps({"profile": "local"}), "--out", str(out)]
+    assert run_distributed(_run_worker, 2, argv, local_world_size=2, timeout=300) == [0, 0]
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_worker_emits_expected_records(local_records):
+    meta = [r for r in local_records if r["kind"] == "meta"]
+    assert len(meta) == 1 and meta[0]["world_size"] == 2 and meta[0]["numel"] > 0 and meta[0]["copy_s_per_elem"] > 0
+    assert meta[0]["order"][:3] == ["ref-compute", "ref-birder", "ref-onebitadam"]
+    recs = {r["method"]: r for r in local_records if r["kind"] == "method"}
+    assert set(recs) == {
+        "ref-compute",
+        "ref-birder",
+        "ref-onebitadam",
+        "fp32-sgdm",
+        "fp16",
+        "powersgd",
+        "onebitadam",
+    } | {f"birder-{m}" for m in ("allgather", "scatter_gather", "hierarchical")}
+    for name, rec in recs.items():
+        assert METHOD_KEYS <= set(rec), (name, METHOD_KEYS - set(rec))
+        assert rec["timed_steps"] == 1 and rec["samples_per_s"] > 0 and rec["step_s_mean"] > 0
+        assert rec["link_per_node"] is None  # loopback: no inter-node interface to count
+    assert recs["fp32-sgdm"]["analytic_bytes_per_rank"] == 4 * recs["fp32-sgdm"]["numel"]  # 2(n-1)/n x 4d, n = 2
+    assert recs["fp16"]["analytic_bytes_per_rank"] == 2 * recs["fp16"]["numel"]
+    for m in ("birder-allgather", "birder-scatter_gather", "birder-hierarchical", "onebitadam"):
+        stats = recs[m]["commstats_per_step"]
+        assert stats["calls"] >= 1 and stats["compression_ratio"] > 16  # 1 bit per value, padding aside
+    assert recs["powersgd"]["powersgd"]["rank"] == 4
+
+
+def test_summary_targets_table_and_plots(local_records, tmp_path):
+    summary = throughput.summarize([r for r in local_records if r["kind"] != "progress"])
+    rows = {r["method"]: r for r in summary}
+    assert rows["fp32-sgdm"]["ratio_vs_fp32"] == pytest.approx(1.0)
+    for method in ("birder-hierarchical", "onebitadam"):
+        b = rows[method]["breakdown"]
+        assert b["basis"] == "cpu" and min(b["compute_s"], b["codec_s"], b["comm_cpu_s"]) >= 0
+        assert b["compute_s"] + b["codec_s"] + b["comm_cpu_s"] + b["wait_s"] == pytest.approx(rows[method]["step_s"])
+    result = {
+        "config": {"batches": {"tiny-mlp": [4]}, "seed_batches": {"tiny-mlp": [32]}, "nodes": 1, "nproc_per_node": 2},
+        "profiles": {},
+        "summary": summary,
+    }
+    assert "Birder hierarchical" in throughput.table(result)
+    assert throughput.check_targets(summary) == []  # no targets for the tiny model
+    paths = _load("plots").throughput_figures(result, tmp_path)
+    assert [p.name for p in paths] == ["throughput_local.png", "throughput_local_breakdown.png"]
+    assert all(p.stat().st_size > 10_000 for p in paths)
+
+
+def test_testbed_path_counts_link_bytes(tmp_path):
+    ok, reason = throughput.testbed.available()
+    if not ok:
+        pytest.skip(f"network namespaces unavailable: {reason}")
+    out = tmp_path / "t.json"
+    args = ["--profiles", "ethernet", "--models", "tiny-mlp", "--batches", "tiny-mlp=4", "--rounds", "1"]
+    args += ["--methods", "fp32-sgdm", "birder-hierarchical", "--no-refs", "--no-plots"]
+    assert throughput.main([*args, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = {r["method"]: r for r in result["summary"]}
+    numel = next(r["numel"] for r in result["records"] if r["kind"] == "meta")
+    # the fp32 gradient really crossed the shaped veth (4 bytes per value each way, plus headers)
+    assert rows["fp32-sgdm"]["inter_node_tx_bytes_per_step"] > 4 * numel
+    assert 0 < rows["birder-hierarchical"]["commstats_inter_bytes_per_step"] < numel / 4
+    assert result["profiles"]["ethernet"]["bandwidth_mbit"]
+    assert not any(n.startswith("birder-") and str(os.getpid()) in n for n in throughput.testbed._list_namespaces())
+
+
+def test_cost_model_comm_bound_and_compute_bound(tmp_path):
+    result = cost_model.run("tf32", tmp_path)  # no measured JSON there: calibrates from the fused-codec default
+    pred = {(p["model"], p["batch"], p["network"], p["nodes"], p["method"]): p for p in result["predictions"]}
+    # communication-bound: BERT-Base, 32 per GPU, 8 nodes on 10 GbE
+    assert pred[("bert", 32, "10GbE", 8, "birder-hierarchical")]["speedup"] > 3
+    # compute-bound: ResNet-50, 128 per GPU, 100 Gbit IB: nothing to win, nothing much lost
+    assert pred[("resnet50", 128, "100G-IB", 2, "birder-hierarchical")]["speedup"] == pytest.approx(1.0, abs=0.05)
+    # one node: no inter-node traffic at all, the codec is pure cost
+    assert pred[("bert", 32, "10GbE", 1, "birder-hierarchical")]["speedup"] <= 1.0
+    # the flat all-gather's bytes grow with the number of ranks; hierarchical's inter-node bytes grow with nodes
+    a = cost_model.ASSUMPTIONS
+    net = cost_model.NETWORKS["10GbE"]
+    flat = [cost_model.comm_time("birder-allgather", 10**8, k, 8, net, a) for k in (2, 8)]
+    hier = [cost_model.comm_time("birder-hierarchical", 10**8, k, 8, net, a) for k in (2, 8)]
+    assert flat[1] / flat[0] > 3 and hier[1] < flat[1] / 4
+    assert {"assumptions", "paper_comparison", "calibration"} <= set(result)
