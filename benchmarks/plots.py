@@ -24,10 +24,10 @@ METHOD_STYLE = {  # label, color (fp32 grey, torch hooks blue/purple, Birder ora
     "fp16": ("fp16\nhook", "#1f77b4"),
     "powersgd": ("PowerSGD\nrank 4", "#9467bd"),
     "birder-allgather": ("Birder\nallgather", "#fdae6b"),
-    "birder-scatter_gather": ("Birder\nscatter_gather", "#fd8d3c"),
+    "birder-scatter_gather": ("Birder\nscatter-\ngather", "#fd8d3c"),
     "birder-hierarchical": ("Birder\nhierarchical", "#d94801"),
     "birder-hierarchical-sg": ("Birder hierarchical\n(inter scatter_gather)", "#7f2704"),
-    "onebitadam": ("1-bit Adam\n(compressed)", "#2ca02c"),
+    "onebitadam": ("1-bit\nAdam", "#2ca02c"),
 }
 PARTS = (
     ("compute_s", "compute", "#4c72b0"),
