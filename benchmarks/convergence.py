@@ -7,7 +7,9 @@ of all numbers:
 - ``birder-h``: Birder, hierarchical 1-bit all-reduce (``--comm_method hierarchical --num_nodes 2``);
 - ``birder-flat``: Birder, flat 1-bit all-gather (``--comm_method allgather``);
 - ``adamw`` (both tasks) and ``sgdm`` (ResNet): the uncompressed baselines (DDP fp32 all-reduce);
-- ``birder-1p``: one process with ``quantize=False`` and the same global batch, a reference without 1-bit noise.
+- ``birder-1p``: one process with ``quantize=False`` and the same global batch, a reference without 1-bit noise;
+- ``onebitadam``: 1-bit Adam (Tang et al. 2021, the paper's compressed baseline) with AdamW's learning rate and a
+  full-precision warm-up of 20% of the steps (``--freeze_step``), the error-feedback 1-bit phase after it.
 
     python benchmarks/convergence.py                        # the full run: 3 seeds (~30 min on an idle 2-core machine)
     python benchmarks/convergence.py --seeds 0 --bert_steps 60 --resnet_model resnet10t   # what fits a busy machine
@@ -45,6 +47,7 @@ METHOD_STYLE = {
     "birder-h": ("Birder hierarchical (1-bit)", "#d94801"),
     "birder-flat": ("Birder flat allgather (1-bit)", "#fdae6b"),
     "birder-1p": ("Birder 1 process, quantize=False", "#2ca02c"),
+    "onebitadam": ("1-bit Adam (20% warm-up)", "#9467bd"),
 }
 SHORT = {  # bar-chart tick labels
     "adamw": "AdamW\nfp32",
@@ -52,6 +55,7 @@ SHORT = {  # bar-chart tick labels
     "birder-h": "Birder\nhierarchical",
     "birder-flat": "Birder\nflat",
     "birder-1p": "Birder 1 proc.\nno quantize",
+    "onebitadam": "1-bit Adam",
 }
 BASELINES = ("adamw", "sgdm")
 BIRDER_DISTRIBUTED = ("birder-h", "birder-flat")
@@ -68,15 +72,17 @@ class Config:
     # BERT (tiny, from scratch, embedded SQuAD-format task)
     bert_steps: int = 200
     bert_batch: int = 16  # per process
-    bert_lr: dict = field(default_factory=lambda: {"birder": 2e-3, "adamw": 2e-3})
+    bert_lr: dict = field(default_factory=lambda: {"birder": 2e-3, "adamw": 2e-3, "onebitadam": 2e-3})
     bert_logging_steps: int = 10
     bert_extra: list[str] = field(default_factory=list)
     # ResNet (timm, embedded digits 32x32)
     resnet_model: str = "resnet18"
     resnet_epochs: int = 3
     resnet_batch: int = 32  # per process
-    resnet_lr: dict = field(default_factory=lambda: {"birder": 4e-3, "adamw": 4e-3, "sgdm": 0.1})
-    resnet_wd: dict = field(default_factory=lambda: {"birder": 0.1, "adamw": 0.1, "sgdm": 5e-4})
+    resnet_lr: dict = field(default_factory=lambda: {"birder": 4e-3, "adamw": 4e-3, "sgdm": 0.1, "onebitadam": 4e-3})
+    resnet_wd: dict = field(default_factory=lambda: {"birder": 0.1, "adamw": 0.1, "sgdm": 5e-4, "onebitadam": 0.1})
+    resnet_logging_steps: int = 4
+    onebit_warmup: float = 0.2  # 1-bit Adam's full-precision share of the steps
     resnet_extra: list[str] = field(default_factory=list)
 
 
@@ -94,8 +100,17 @@ class Run:
 
 
 def _task_methods(task: str, methods: list[str]) -> list[str]:
-    allowed = {"bert": ("birder-h", "birder-flat", "adamw", "birder-1p")}.get(task, tuple(METHOD_STYLE))
+    allowed = {"bert": ("birder-h", "birder-flat", "adamw", "birder-1p", "onebitadam")}.get(task, tuple(METHOD_STYLE))
     return [m for m in methods if m in allowed]
+
+
+DIGITS_TRAIN = 1437  # about: images in the embedded digits' train split (recipes/embedded_data.py, 80% of 1797)
+
+
+def total_steps(task: str, cfg: Config) -> int:
+    if task == "bert":
+        return cfg.bert_steps
+    return cfg.resnet_epochs * (DIGITS_TRAIN // cfg.resnet_batch // cfg.nproc)  # drop_last batches, sharded
 
 
 def _method_args(task: str, method: str, cfg: Config) -> tuple[int, list[str]]:
@@ -105,6 +120,8 @@ def _method_args(task: str, method: str, cfg: Config) -> tuple[int, list[str]]:
     comm = {"birder-h": ["--comm_method", "hierarchical", "--num_nodes", str(cfg.num_nodes)]}
     comm["birder-flat"] = ["--comm_method", "allgather"]
     args = ["--optimizer", opt, *comm.get(method, [])]
+    if method == "onebitadam":
+        args += ["--freeze_step", str(max(1, round(cfg.onebit_warmup * total_steps(task, cfg))))]
     if task == "bert":
         batch = cfg.bert_batch * (cfg.nproc if nproc == 1 else 1)  # same global batch in one process
         args += ["--learning_rate", str(cfg.bert_lr[opt]), "--per_device_train_batch_size", str(batch)]
@@ -119,7 +136,11 @@ def _method_args(task: str, method: str, cfg: Config) -> tuple[int, list[str]]:
             str(cfg.resnet_wd[opt]),
             "--batch_size",
             str(batch),
+            "--logging_steps",
+            str(cfg.resnet_logging_steps),
         ]
+        if method == "birder-1p":
+            args += ["--quantize", "False"]
     return nproc, args
 
 
@@ -146,20 +167,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# The ResNet recipe has no --quantize flag yet: the one-process reference builds Birder with quantize=False here.
-_RESNET_NO_QUANTIZE = (
-    "import functools, sys; sys.path.insert(0, sys.argv.pop(1)); import resnet50; "
-    "resnet50.Birder = functools.partial(resnet50.Birder, quantize=False); resnet50.main(sys.argv[1:])"
-)
-
-
 def command(run: Run, output_dir: Path) -> list[str]:
     """The command line of one run (``torchrun`` for several processes, plain ``python`` for one)."""
     script = RECIPES / ("bert_base.py" if run.task == "bert" else "resnet50.py")
     args = [*run.args, "--output_dir", str(output_dir)]
     if run.nproc == 1:
-        if run.task == "resnet" and run.method == "birder-1p":
-            return [sys.executable, "-c", _RESNET_NO_QUANTIZE, str(RECIPES), *args]
         return [sys.executable, str(script), *args]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(run.nproc)]
     launcher += ["--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
@@ -200,8 +212,9 @@ def load_run(run: Run, out: Path) -> dict:
         record["train_runtime_s"] = res.get("train_runtime")
     else:
         epochs = res["epochs"]
-        record["loss_steps"] = [e["step"] for e in epochs]
-        record["loss"] = [e["train_loss"] for e in epochs]
+        logged = res.get("steps") or epochs  # rank 0's loss every --logging_steps steps (older runs: per epoch)
+        record["loss_steps"] = [e["step"] for e in logged]
+        record["loss"] = [e["train_loss"] for e in logged]
         record["val_steps"] = [e["step"] for e in epochs]
         record["val"] = [e["val_top1"] for e in epochs]
         record["final"] = {"val_top1": res["final_val_top1"], "train_loss": res["final_train_loss"]}

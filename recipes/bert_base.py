@@ -127,7 +127,12 @@ class DataArguments:
 
 @dataclass
 class OptimizerArguments(BirderArguments):
-    optimizer: str = field(default="birder", metadata={"help": "birder | adamw | sgdm (the uncompressed baselines)."})
+    optimizer: str = field(
+        default="birder",
+        metadata={
+            "help": "birder | onebitadam (1-bit Adam after --freeze_step Adam steps) | adamw | sgdm (uncompressed)."
+        },
+    )
     hierarchy: bool = field(
         default=False, metadata={"help": "The seed's --hierarchy: same as --comm_method hierarchical."}
     )
@@ -135,8 +140,8 @@ class OptimizerArguments(BirderArguments):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.optimizer not in ("birder", "adamw", "sgdm"):
-            raise ValueError(f"--optimizer must be birder, adamw or sgdm, got {self.optimizer!r}")
+        if self.optimizer not in ("birder", "onebitadam", "adamw", "sgdm"):
+            raise ValueError(f"--optimizer must be birder, onebitadam, adamw or sgdm, got {self.optimizer!r}")
         if self.hierarchy:
             self.comm_method = "hierarchical"
 
@@ -197,8 +202,8 @@ def build_model(model_args, tokenizer):
 
 def build_trainer(opt_args, **kwargs):
     args = kwargs["args"]
-    if opt_args.optimizer == "birder":
-        return BirderTrainer(birder_args=opt_args, **kwargs)  # Birder: optimizer, 1-bit hook, per-rank state
+    if opt_args.optimizer in ("birder", "onebitadam"):
+        return BirderTrainer(birder_args=opt_args, **kwargs)  # the optimizer, its 1-bit hook, per-rank state
     if opt_args.optimizer == "sgdm":
         sgd = (
             torch.optim.SGD,
@@ -261,7 +266,7 @@ def train(model_args, data_args, opt_args, training_args):
     if state is not None:  # Birder: what the 1-bit hook saved
         metrics.update({k: v for k, v in state.stats.as_dict("comm/").items()})
         metrics["comm/topology"] = repr(state.topology)
-        metrics["comm/method"] = opt_args.comm_method
+        metrics["comm/method"] = opt_args.comm_method if opt_args.optimizer == "birder" else opt_args.optimizer
     trainer.save_model()  # save_pretrained: config, weights (safetensors), tokenizer
     trainer.save_metrics("all", metrics)  # all_results.json
     trainer.save_state()

@@ -38,7 +38,7 @@ from transformers import HfArgumentParser
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from embedded_data import write_digits_image_folder  # noqa: E402
 
-from birder_hf import Birder, Topology  # noqa: E402
+from birder_hf import Birder, OneBitAdam, Topology  # noqa: E402
 from birder_hf.integrations.accelerate import check_really_distributed, register_birder_hook  # noqa: E402
 from birder_hf.integrations.transformers import birder_model_card_section  # noqa: E402
 
@@ -55,10 +55,12 @@ class Args:
     epochs: int = field(default=6, metadata={"help": "Training epochs."})
     max_steps: int | None = field(default=None, metadata={"help": "Stop after this many optimizer steps in all."})
     batch_size: int = field(default=32, metadata={"help": "Images per process per step."})
-    optimizer: str = field(default="birder", metadata={"help": "birder | sgdm | adamw."})
+    optimizer: str = field(default="birder", metadata={"help": "birder | onebitadam | sgdm | adamw."})
     lr: float = field(default=0.004, metadata={"help": "Peak learning rate (the seed: 0.004 for Birder)."})
     weight_decay: float = field(default=0.1, metadata={"help": "Decoupled weight decay (not on biases/norms)."})
     beta: float = field(default=0.95, metadata={"help": "Birder's beta."})
+    quantize: bool = field(default=True, metadata={"help": "Birder: False sends u itself (one process only)."})
+    freeze_step: int = field(default=100, metadata={"help": "onebitadam: full-precision Adam steps first."})
     momentum: float = field(default=0.9, metadata={"help": "sgdm only."})
     warmup_epochs: float = field(default=0.0, metadata={"help": "Linear lr warm-up (the seed: 10 of 100)."})
     lr_step_epochs: int = field(default=30, metadata={"help": "Divide the lr by 10 every this many epochs."})
@@ -68,6 +70,7 @@ class Args:
     num_nodes: int | None = field(default=None, metadata={"help": "Override the node layout (simulate nodes)."})
     chunk_numel: int | None = field(default=None, metadata={"help": "The seed's --all_gather_by_chunks."})
     save_every_epochs: int = field(default=1, metadata={"help": "Checkpoint every this many epochs (0: never)."})
+    logging_steps: int = field(default=10, metadata={"help": "Record the training loss every this many steps."})
     resume_from_checkpoint: str | None = field(default=None, metadata={"help": "A checkpoint-<step> folder."})
     seed: int = field(default=42, metadata={"help": "Seed of everything (data order, init, Birder's bits)."})
     workers: int = field(default=0, metadata={"help": "DataLoader workers per process."})
@@ -75,8 +78,8 @@ class Args:
     hub_model_id: str | None = field(default=None, metadata={"help": "Repository for --push_to_hub."})
 
     def __post_init__(self):
-        if self.optimizer not in ("birder", "sgdm", "adamw"):
-            raise ValueError(f"--optimizer must be birder, sgdm or adamw, got {self.optimizer!r}")
+        if self.optimizer not in ("birder", "onebitadam", "sgdm", "adamw"):
+            raise ValueError(f"--optimizer must be birder, onebitadam, sgdm or adamw, got {self.optimizer!r}")
         if self.hierarchy:
             self.comm_method = "hierarchical"
         if self.data_dir is not None and not os.path.isdir(os.path.join(self.data_dir, "train")):
@@ -106,7 +109,9 @@ def build_model(args, num_classes):
 def build_optimizer(args, model):
     groups = param_groups_weight_decay(model, args.weight_decay)  # no decay on biases and norm weights
     if args.optimizer == "birder":
-        return Birder(groups, lr=args.lr, beta=args.beta, seed=args.seed)
+        return Birder(groups, lr=args.lr, beta=args.beta, quantize=args.quantize, seed=args.seed)
+    if args.optimizer == "onebitadam":
+        return OneBitAdam(groups, lr=args.lr, freeze_step=args.freeze_step)
     if args.optimizer == "sgdm":
         return torch.optim.SGD(groups, lr=args.lr, momentum=args.momentum)
     return torch.optim.AdamW(groups, lr=args.lr)
@@ -147,18 +152,13 @@ def train(args):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, len(train_loader), args))
     accelerator.register_for_checkpointing(scheduler)
     hook_state = None
-    if args.optimizer == "birder":  # Birder: the 1-bit hook (and per-rank state in save_state/load_state)
+    if args.optimizer in ("birder", "onebitadam"):  # the 1-bit hook (and per-rank state in save/load_state)
         topology = None
         if args.num_nodes and accelerator.num_processes > 1:
             topology = Topology.from_layout(args.num_nodes, accelerator.num_processes // args.num_nodes)
+        birder_only = dict(method=args.comm_method, inter_method=args.inter_method, chunk_numel=args.chunk_numel)
         hook_state = register_birder_hook(
-            accelerator,
-            model,
-            optimizer,
-            topology=topology,
-            method=args.comm_method,
-            inter_method=args.inter_method,
-            chunk_numel=args.chunk_numel,
+            accelerator, model, optimizer, topology=topology, **(birder_only if args.optimizer == "birder" else {})
         )
     logger.info(
         "world size %d, %s, optimizer %s, %s",
@@ -175,7 +175,7 @@ def train(args):
         accelerator.load_state(args.resume_from_checkpoint)
         with open(os.path.join(args.resume_from_checkpoint, "recipe_state.json")) as f:
             step = json.load(f)["step"]
-    history, loss_sum, loss_n = [], 0.0, 0
+    history, steps_log, loss_sum, loss_n, window = [], [], 0.0, 0, []
     bar = tqdm(total=total_steps, initial=step, disable=not accelerator.is_main_process, desc="train")
     model.train()
     while step < total_steps:
@@ -190,6 +190,10 @@ def train(args):
             optimizer.zero_grad(set_to_none=True)
             step += 1
             loss_sum, loss_n = loss_sum + loss.item(), loss_n + 1
+            window.append(loss.item())
+            if step % args.logging_steps == 0:  # this rank's mean loss over the last logging_steps steps
+                steps_log.append({"step": step, "train_loss": sum(window) / len(window)})
+                window = []
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}")
             if step % steps_per_epoch == 0 or step == total_steps:
@@ -210,7 +214,7 @@ def train(args):
             if step >= total_steps:
                 break
     bar.close()
-    return finish(accelerator, args, model, optimizer, history, hook_state)
+    return finish(accelerator, args, model, optimizer, history, hook_state, steps_log)
 
 
 def save_checkpoint(accelerator, args, step):
@@ -222,13 +226,14 @@ def save_checkpoint(accelerator, args, step):
     accelerator.wait_for_everyone()
 
 
-def finish(accelerator, args, model, optimizer, history, hook_state):
+def finish(accelerator, args, model, optimizer, history, hook_state, steps_log=()):
     results = {
         "world_size": accelerator.num_processes,
         "optimizer": args.optimizer,
         "model": args.model,
         "args": asdict(args),
         "epochs": history,
+        "steps": list(steps_log),  # rank 0's training loss every logging_steps steps (of this run, after a resume)
         **{f"final_{k}": v for k, v in history[-1].items()},
     }
     if hook_state is not None:
@@ -271,6 +276,11 @@ def save_model(accelerator, args, model, optimizer, results):
             num_nodes=args.num_nodes,
         )
         card.append(birder_model_card_section(optimizer.optimizer, b))
+    elif args.optimizer == "onebitadam":
+        card.append(
+            f"Trained with 1-bit Adam (Tang et al., ICML 2021; birder-hf OneBitAdam), lr {args.lr}, "
+            f"freeze_step {args.freeze_step}.\n"
+        )
     with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as f:
         f.write("\n".join(card))
     if args.push_to_hub:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import Optimizer
 
+from .checkpoint import RankLocalState, state_dtype
 from .collectives import CommStats, _queue, _settled, _Wire
 from .quantize import pack_bits, unpack_bits
 from .topology import Topology
@@ -32,7 +33,7 @@ __all__ = ["OneBitAdam", "OneBitAdamHookState", "onebit_adam_hook", "compress_wi
 SCALINGS = ("l2", "l1")
 
 
-class OneBitAdam(Optimizer):
+class OneBitAdam(RankLocalState, Optimizer):
     r"""1-bit Adam (Tang et al., ICML 2021): Adam during warm-up, then 1-bit compressed momentum.
 
     Step :math:`t` of rank :math:`r` of :math:`n`, local gradient :math:`g^r_t`, :math:`T` = ``freeze_step``:
@@ -114,26 +115,12 @@ class OneBitAdam(Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("_hook_state", None)
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load a state dict; the state of bf16/fp16 parameters stays float32 (torch would round it)."""
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        keep = {}
-        for saved_id, p in zip(saved_ids, params):
-            if _state_dtype(p) != p.dtype:
-                for key, value in state_dict["state"].get(saved_id, {}).items():
-                    if key != "step" and torch.is_tensor(value):
-                        keep[(p, key)] = value
-        super().load_state_dict(state_dict)
-        for (p, key), value in keep.items():
-            self.state[p][key] = value.to(device=p.device, dtype=torch.float32)
-
     def _init_state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
         if len(state) == 0:
             if p.is_complex() or not p.is_floating_point():
                 raise TypeError(f"OneBitAdam supports real floating-point parameters, got {p.dtype}.")
-            dtype = _state_dtype(p)
+            dtype = state_dtype(p)
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
@@ -238,11 +225,6 @@ def _validate(d: dict) -> None:
             )
     if "scaling" in d and d["scaling"] not in SCALINGS:
         bad("scaling", f"choose one of {SCALINGS}")
-
-
-def _state_dtype(p: torch.Tensor) -> torch.dtype:
-    # state is at least float32: bf16/fp16 parameters keep float32 m, v and error buffers
-    return torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
 
 
 def _local_momentum(st: dict, grad: torch.Tensor, group: dict) -> torch.Tensor:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 from torch.optim.optimizer import Optimizer
 
+from .checkpoint import RankLocalState, state_dtype
 from .quantize import STAGE_WORKER, BitKeys, derive_key, quantize_bits
 
 __all__ = ["Birder", "birder"]
@@ -33,7 +34,7 @@ __all__ = ["Birder", "birder"]
 _TINY = torch.finfo(torch.float32).tiny
 
 
-class Birder(Optimizer):
+class Birder(RankLocalState, Optimizer):
     r"""Birder: the 1-bit adaptive optimizer (our reconstruction of Peng et al., NeurIPS 2023).
 
     Per parameter, with local gradient :math:`g_t`:
@@ -140,9 +141,6 @@ class Birder(Optimizer):
         self._comm_method = comm_method
         self._hook_state = None  # set by BirderHookState: DDP's hook owns m, b and the all-reduce
         self._param_ids: dict[torch.Tensor, tuple[int, dict]] | None = None
-        # set by a framework's checkpoint-load hook: this rank's own state, which the framework's next
-        # load_state_dict (of rank 0's state) must take instead (birder_hf.checkpoint)
-        self._rank_state_override: dict | None = None
 
     def add_param_group(self, param_group: dict) -> None:
         for name, check in (
@@ -161,28 +159,11 @@ class Birder(Optimizer):
         self.__dict__.setdefault("_comm_method", "allgather")
         self.__dict__.setdefault("_hook_state", None)
         self.__dict__.setdefault("_param_ids", None)
-        self.__dict__.setdefault("_rank_state_override", None)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a state dict; ``m`` and ``b`` of bf16/fp16 parameters stay float32.
-
-        (``torch.optim.Optimizer`` casts floating state to the parameter's dtype, which would round
-        Birder's float32 state of low-precision parameters.) If a checkpoint hook staged this rank's own
-        state (``birder_hf.checkpoint``), that state is loaded instead of ``state_dict``.
-        """
-        if self._rank_state_override is not None:
-            state_dict, self._rank_state_override = self._rank_state_override, None
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        keep = {}
-        for saved_id, p in zip(saved_ids, params):
-            if _state_dtype(p) != p.dtype:
-                for key, value in state_dict["state"].get(saved_id, {}).items():
-                    if key != "step" and torch.is_tensor(value):
-                        keep[(p, key)] = value
+        """Load a state dict; ``m`` and ``b`` of bf16/fp16 parameters stay float32, and a rank's own staged state
+        wins (``birder_hf.checkpoint.RankLocalState``)."""
         super().load_state_dict(state_dict)
-        for (p, key), value in keep.items():
-            self.state[p][key] = value.to(device=p.device, dtype=torch.float32)
         self._param_ids = None
 
     @property
@@ -209,7 +190,7 @@ class Birder(Optimizer):
     def _init_state(self, p: torch.Tensor, amsgrad: bool) -> dict:
         state = self.state[p]
         if len(state) == 0:
-            dtype = _state_dtype(p)
+            dtype = state_dtype(p)
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
             state["exp_avg_abs"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
@@ -353,11 +334,6 @@ def _warn_if_ddp_without_hook() -> None:
             UserWarning,
             stacklevel=3,
         )
-
-
-def _state_dtype(p: torch.Tensor) -> torch.dtype:
-    # m and b are at least float32: bf16/fp16 parameters keep float32 state
-    return torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
 
 
 def _apply_update(params, directions, *, lr: float, weight_decay: float) -> None:

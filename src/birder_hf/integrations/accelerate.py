@@ -13,6 +13,9 @@
     accelerator.save_state(path)   # also writes every rank's Birder state (path/birder/)
     accelerator.load_state(path)   # and every rank loads its own
 
+The same call registers ``onebit_adam_hook`` for a ``OneBitAdam`` optimizer (1-bit Adam, the paper's compressed
+baseline), with the same per-rank checkpoints.
+
 ``accelerate``'s ``DistributedDataParallelKwargs(comm_hook=...)`` only takes its built-in hooks (a
 callable is ignored), hence this function. Do not call ``accelerator.clip_grad_norm_`` with Birder:
 after the hook, ``.grad`` holds the direction ``d``, whose step is already bounded by ``lr``.
@@ -27,6 +30,7 @@ import torch
 
 from ..checkpoint import read_rank_state, save_rank_state
 from ..hook import BirderHookState, birder_hook
+from ..onebit_adam import OneBitAdam, OneBitAdamHookState, onebit_adam_hook
 from ..optim import Birder
 from ..topology import Topology
 
@@ -58,27 +62,32 @@ def register_birder_hook(
     topology: Topology | None = None,
     method: str = "hierarchical",
     **hook_kwargs,
-) -> BirderHookState | None:
+) -> BirderHookState | OneBitAdamHookState | None:
     """Register :func:`birder_hf.birder_hook` on the DDP model that ``accelerator.prepare`` returned.
 
     Args:
         accelerator (`accelerate.Accelerator`): the accelerator that prepared ``model`` and ``optimizer``.
         model (`DistributedDataParallel`): the model returned by ``prepare``.
-        optimizer (`Birder` or accelerate's wrapper of it): the prepared optimizer.
+        optimizer (`Birder` or `OneBitAdam`, or accelerate's wrapper of it): the prepared optimizer; a
+            ``OneBitAdam`` gets ``onebit_adam_hook`` (``method`` and ``hook_kwargs`` are Birder's and do not apply).
         topology (`Topology`, *optional*): defaults to ``Topology.from_env()`` (the launcher's node layout).
         method (`str`, *optional*, defaults to `"hierarchical"`): see ``onebit_all_reduce``.
         **hook_kwargs: more ``BirderHookState`` options (``inter_method``, ``chunk_numel``, ...).
 
     Returns:
-        `BirderHookState` (its ``stats`` hold the bytes sent), or ``None`` in a single process, where
-        Birder needs no communication.
+        The hook state (its ``stats`` hold the bytes sent), or ``None`` in a single process, where
+        there is no communication to compress.
 
     Also registers ``save_state``/``load_state`` hooks that write and read every rank's own Birder
     state (``birder_hf.checkpoint``).
     """
     inner = getattr(optimizer, "optimizer", optimizer)
-    if not isinstance(inner, Birder):
-        raise TypeError(f"register_birder_hook needs a birder_hf.Birder optimizer, got {type(inner).__name__}.")
+    if not isinstance(inner, (Birder, OneBitAdam)):
+        raise TypeError(
+            f"register_birder_hook needs a birder_hf.Birder (or OneBitAdam) optimizer, got {type(inner).__name__}."
+        )
+    if isinstance(inner, OneBitAdam) and hook_kwargs:
+        raise TypeError(f"{sorted(hook_kwargs)} are BirderHookState options; OneBitAdam's hook takes none.")
     check_really_distributed(accelerator.num_processes)
     handler = getattr(accelerator, "ddp_handler", None)
     builtin = getattr(handler, "comm_hook", None)
@@ -89,26 +98,31 @@ def register_birder_hook(
         )
     if accelerator.num_processes == 1:
         _register_checkpoint_hooks(accelerator, inner)
-        logger.info("Birder: single process, no gradient communication to compress.")
+        logger.info("%s: single process, no gradient communication to compress.", type(inner).__name__)
         return None
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(
             f"Expected the DistributedDataParallel model returned by accelerator.prepare, got {type(model).__name__}."
         )
-    state = BirderHookState(inner, topology=topology or Topology.from_env(), method=method, **hook_kwargs)
-    model.register_comm_hook(state, birder_hook)
+    topology = topology or Topology.from_env()
+    if isinstance(inner, OneBitAdam):
+        state, hook = OneBitAdamHookState(inner, topology=topology), onebit_adam_hook
+    else:
+        state, hook = BirderHookState(inner, topology=topology, method=method, **hook_kwargs), birder_hook
+    model.register_comm_hook(state, hook)
     _register_checkpoint_hooks(accelerator, inner)
-    logger.info("Birder: 1-bit %s hook registered on %r.", method, state.topology)
+    what = f"1-bit {method} hook" if hook is birder_hook else "1-bit Adam hook"
+    logger.info("%s: %s registered on %r.", type(inner).__name__, what, state.topology)
     return state
 
 
-def _register_checkpoint_hooks(accelerator, optimizer: Birder) -> None:
+def _register_checkpoint_hooks(accelerator, optimizer: Birder | OneBitAdam) -> None:
     def save_pre_hook(models, weights, output_dir):
         save_rank_state(optimizer, output_dir, rank=accelerator.process_index, world_size=accelerator.num_processes)
 
     def load_pre_hook(models, input_dir):
-        # accelerate loads rank 0's optimizer state into every rank right after this hook; Birder then
-        # takes this rank's own state instead (see Birder.load_state_dict and birder_hf.checkpoint).
+        # accelerate loads rank 0's optimizer state into every rank right after this hook; the optimizer then
+        # takes this rank's own state instead (birder_hf.checkpoint.RankLocalState)
         state = read_rank_state(input_dir, rank=accelerator.process_index, world_size=accelerator.num_processes)
         optimizer._rank_state_override = state
 

@@ -29,6 +29,7 @@ import torch
 
 from ..checkpoint import read_rank_state, save_rank_state
 from ..hook import BirderHookState, birder_hook
+from ..onebit_adam import OneBitAdam, OneBitAdamHookState, onebit_adam_hook
 from ..optim import Birder
 from ..topology import Topology
 from .accelerate import check_really_distributed
@@ -48,8 +49,17 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class BirderArguments:
-    """Birder's settings, parsed by ``HfArgumentParser`` next to ``TrainingArguments``."""
+    """Birder's settings, parsed by ``HfArgumentParser`` next to ``TrainingArguments``.
 
+    ``optimizer="onebitadam"`` trains with :class:`birder_hf.OneBitAdam` instead (the paper's compressed baseline:
+    ``freeze_step`` full-precision Adam steps, then 1-bit momentum with error feedback; ``TrainingArguments``'
+    ``adam_beta1/adam_beta2/adam_epsilon`` apply); the Birder-only settings are then ignored.
+    """
+
+    optimizer: str = field(default="birder", metadata={"help": "birder | onebitadam (1-bit Adam, Tang et al. 2021)."})
+    freeze_step: int = field(
+        default=100, metadata={"help": "onebitadam only: full-precision Adam warm-up steps before compressing."}
+    )
     beta: float = field(default=0.95, metadata={"help": "EMA factor of m and b (the paper's beta)."})
     comm_method: str = field(
         default="hierarchical",
@@ -91,14 +101,17 @@ class BirderArguments:
             raise ValueError(f"beta={self.beta} must lie in [0, 1).")
 
 
+_ONE_BIT = (Birder, OneBitAdam)
+
+
 def _inner(optimizer):
-    while optimizer is not None and not isinstance(optimizer, Birder) and hasattr(optimizer, "optimizer"):
+    while optimizer is not None and not isinstance(optimizer, _ONE_BIT) and hasattr(optimizer, "optimizer"):
         optimizer = optimizer.optimizer
     return optimizer
 
 
 class BirderCallback(TrainerCallback):
-    """Registers the 1-bit hook and saves/loads per-rank Birder state; installed by ``BirderTrainerMixin``."""
+    """Registers the 1-bit hook and saves/loads per-rank optimizer state; installed by ``BirderTrainerMixin``."""
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -106,8 +119,8 @@ class BirderCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         trainer = self.trainer
         opt = _inner(trainer.optimizer)
-        if not isinstance(opt, Birder):
-            raise TypeError(f"BirderTrainer needs a Birder optimizer, got {type(opt).__name__}.")
+        if not isinstance(opt, _ONE_BIT):
+            raise TypeError(f"BirderTrainer needs a Birder (or OneBitAdam) optimizer, got {type(opt).__name__}.")
         if trainer._birder_resume_dir is not None:
             # the Trainer just loaded rank 0's optimizer.pt into every rank; take this rank's own state
             opt.load_state_dict(
@@ -120,6 +133,11 @@ class BirderCallback(TrainerCallback):
         if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
             raise TypeError(f"Birder's 1-bit hook needs DDP; the Trainer wrapped the model in {type(model).__name__}.")
         b = trainer.birder_args
+        if isinstance(opt, OneBitAdam):
+            trainer.birder_hook_state = OneBitAdamHookState(opt, topology=b.topology())
+            model.register_comm_hook(trainer.birder_hook_state, onebit_adam_hook)
+            logger.info("OneBitAdam: 1-bit hook registered on %r", trainer.birder_hook_state.topology)
+            return
         trainer.birder_hook_state = BirderHookState(
             opt,
             topology=b.topology(),
@@ -139,9 +157,12 @@ class BirderTrainerMixin:
     """Mix into any ``transformers.Trainer`` subclass (first in the bases) to train with Birder."""
 
     def __init__(self, *args, birder_args: BirderArguments | None = None, **kwargs):
+        birder_args = birder_args if birder_args is not None else BirderArguments()
+        if birder_args.optimizer not in ("birder", "onebitadam"):
+            raise ValueError(f"BirderArguments.optimizer={birder_args.optimizer!r}; choose birder or onebitadam.")
         super().__init__(*args, **kwargs)
-        self.birder_args = birder_args if birder_args is not None else BirderArguments()
-        self.birder_hook_state: BirderHookState | None = None
+        self.birder_args = birder_args
+        self.birder_hook_state: BirderHookState | OneBitAdamHookState | None = None
         self._birder_resume_dir: str | None = None
         if self.args.fp16:
             raise ValueError(
@@ -158,6 +179,18 @@ class BirderTrainerMixin:
         self.add_callback(BirderCallback(self))
 
     def create_optimizer(self, model=None):
+        if self.optimizer is None and self.optimizer_cls_and_kwargs is None and self.birder_args.optimizer != "birder":
+            a = self.args
+            self.optimizer_cls_and_kwargs = (
+                OneBitAdam,
+                dict(
+                    lr=a.learning_rate,
+                    betas=(a.adam_beta1, a.adam_beta2),
+                    eps=a.adam_epsilon,
+                    weight_decay=a.weight_decay,
+                    freeze_step=self.birder_args.freeze_step,
+                ),
+            )
         if self.optimizer is None and self.optimizer_cls_and_kwargs is None:
             self.optimizer_cls_and_kwargs = (
                 Birder,
@@ -182,9 +215,12 @@ class BirderTrainerMixin:
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         state = self.birder_hook_state
-        if state is not None and "loss" in logs and state.steps_communicated:
+        if isinstance(state, BirderHookState) and "loss" in logs and state.steps_communicated:
             logs.update(state.stats.as_dict("birder/"))
             logs["birder/skipped_steps"] = state.skipped_steps
+        elif isinstance(state, OneBitAdamHookState) and "loss" in logs and state.warmup_steps + state.compressed_steps:
+            logs.update(state.stats.as_dict("onebit_adam/"))
+            logs["onebit_adam/compressed_steps"] = state.compressed_steps
         super().log(logs, *args, **kwargs)
 
     def create_model_card(self, *args, **kwargs) -> None:
@@ -201,7 +237,9 @@ class BirderTrainerMixin:
         lines = [line if ln.startswith("- optimizer:") else ln for ln in lines]
         if line not in lines:
             lines.append(line)
-        text = "\n".join(lines) + "\n\n" + birder_model_card_section(opt, self.birder_args)
+        text = "\n".join(lines) + "\n"
+        if isinstance(opt, Birder):
+            text += "\n" + birder_model_card_section(opt, self.birder_args)
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
 
@@ -212,6 +250,11 @@ class BirderTrainer(BirderTrainerMixin, Trainer):
 
 def _describe(opt, b: BirderArguments) -> str:
     g = opt.param_groups[0] if opt is not None else {}
+    if isinstance(opt, OneBitAdam):
+        return (
+            f"1-bit Adam (Tang et al. ICML 2021; birder-hf OneBitAdam) with lr={g['lr']}, betas={g['betas']}, "
+            f"weight_decay={g['weight_decay']}, freeze_step={g['freeze_step']}"
+        )
     return (
         f"Birder (1-bit adaptive, Peng et al. NeurIPS 2023; birder-hf) with lr={g.get('lr')}, beta={g.get('beta')}, "
         f"weight_decay={g.get('weight_decay')}, amsgrad={g.get('amsgrad')}, comm_method={b.comm_method}, "
