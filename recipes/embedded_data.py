@@ -275,8 +275,11 @@ def make_squad_dataset(
         }
         payload = _squad_split(rng, num_questions, f"synth-{split}", (lo, hi), paragraph_kwargs)
         path = os.path.join(out_dir, f"{split}.json")
-        with open(path, "w", encoding="utf-8") as f:
+        # atomically: several processes of one job may write the same bytes while others already read them
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
             json.dump(payload, f, ensure_ascii=False)
+        os.replace(tmp, path)
         paths.append(path)
     return paths[0], paths[1]
 
