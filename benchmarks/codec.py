@@ -20,8 +20,9 @@ import torch
 from birder_hf import quantize as Q
 
 
-def _time(fn, repeats: int) -> float:
-    fn()  # warm-up (compiles on the first call)
+def median_seconds(fn, repeats: int) -> float:
+    """Median wall seconds of ``fn()`` over ``repeats`` calls, after one warm-up call (which compiles)."""
+    fn()
     out = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -49,9 +50,9 @@ def run(numel: int, repeats: int, threads: int, compile_codec: bool = True) -> d
     }
     times = {}
     for name, fn in kernels.items():
-        times[name] = _time(fn, repeats)
+        times[name] = median_seconds(fn, repeats)
     # interleave copy timings again so the ratio is not skewed by drift during the run
-    times["copy_ fp32"] = min(times["copy_ fp32"], _time(kernels["copy_ fp32"], repeats))
+    times["copy_ fp32"] = min(times["copy_ fp32"], median_seconds(kernels["copy_ fp32"], repeats))
     base = times["copy_ fp32"]
     return {
         "numel": numel,

@@ -22,15 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from codec import median_seconds as _time  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 from birder_hf import Topology  # noqa: E402
 from birder_hf import optim as birder_optim  # noqa: E402
@@ -52,16 +51,6 @@ def _shapes(model: str) -> list[torch.Size]:
     else:
         raise ValueError(model)
     return [p.shape for p in m.parameters()]
-
-
-def _time(fn, repeats: int) -> float:
-    fn()
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
 
 
 def run(model: str, repeats: int) -> dict:

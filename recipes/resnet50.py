@@ -189,13 +189,14 @@ def train(args):
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            loss_sum, loss_n = loss_sum + loss.item(), loss_n + 1
-            window.append(loss.item())
+            value = loss.item()
+            loss_sum, loss_n = loss_sum + value, loss_n + 1
+            window.append(value)
             if step % args.logging_steps == 0:  # this rank's mean loss over the last logging_steps steps
                 steps_log.append({"step": step, "train_loss": sum(window) / len(window)})
                 window = []
             bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}")
+            bar.set_postfix(loss=f"{value:.3f}")
             if step % steps_per_epoch == 0 or step == total_steps:
                 record = {
                     "epoch": step / steps_per_epoch,

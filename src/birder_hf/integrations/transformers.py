@@ -179,30 +179,16 @@ class BirderTrainerMixin:
         self.add_callback(BirderCallback(self))
 
     def create_optimizer(self, model=None):
-        if self.optimizer is None and self.optimizer_cls_and_kwargs is None and self.birder_args.optimizer != "birder":
-            a = self.args
-            self.optimizer_cls_and_kwargs = (
-                OneBitAdam,
-                dict(
-                    lr=a.learning_rate,
-                    betas=(a.adam_beta1, a.adam_beta2),
-                    eps=a.adam_epsilon,
-                    weight_decay=a.weight_decay,
-                    freeze_step=self.birder_args.freeze_step,
-                ),
-            )
         if self.optimizer is None and self.optimizer_cls_and_kwargs is None:
-            self.optimizer_cls_and_kwargs = (
-                Birder,
-                dict(
-                    lr=self.args.learning_rate,
-                    beta=self.birder_args.beta,
-                    weight_decay=self.args.weight_decay,
-                    amsgrad=self.birder_args.amsgrad,
-                    quantize=self.birder_args.quantize,
-                    seed=self.args.seed,
-                ),
-            )
+            a, b = self.args, self.birder_args
+            if b.optimizer == "onebitadam":
+                cls, extra = (
+                    OneBitAdam,
+                    dict(betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon, freeze_step=b.freeze_step),
+                )
+            else:
+                cls, extra = Birder, dict(beta=b.beta, amsgrad=b.amsgrad, quantize=b.quantize, seed=a.seed)
+            self.optimizer_cls_and_kwargs = (cls, dict(lr=a.learning_rate, weight_decay=a.weight_decay, **extra))
         return super().create_optimizer(model) if model is not None else super().create_optimizer()
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
