@@ -51,16 +51,9 @@ from birder_hf import Birder, BirderHookState, OneBitAdam, OneBitAdamHookState, 
 from birder_hf.collectives import CommStats, onebit_all_reduce
 from birder_hf.quantize import BitKeys
 
-METHODS = (
-    "fp32-adamw",
-    "fp32-sgdm",
-    "fp16",
-    "powersgd",
-    "birder-allgather",
-    "birder-scatter_gather",
-    "birder-hierarchical",
-    "onebitadam",
-)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from throughput import METHODS  # noqa: E402  (the driver's list: stdlib-only module)
+
 REFS = ("ref-compute", "ref-fp16", "ref-powersgd", "ref-birder", "ref-onebitadam")
 MODELS = ("bert", "resnet50", "tiny-bert", "tiny-mlp")
 # the optimizer the compressors (fp16, PowerSGD) run with: the paper's baseline for the model

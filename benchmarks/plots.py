@@ -37,6 +37,14 @@ PARTS = (
 )
 
 
+def _save(fig, title: str, path):
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _grid(rows: list[dict]):
     models = list(dict.fromkeys(r["model"] for r in rows))
     batches = {m: sorted({r["batch_per_proc"] for r in rows if r["model"] == m}) for m in models}
@@ -102,16 +110,11 @@ def throughput_figures(result: dict, outdir: Path, stem: str = "throughput") -> 
                 ax.grid(axis="y", alpha=0.3)
             for j in range(len(batches[model]), axes.shape[1]):
                 axes[i][j].axis("off")
-        fig.suptitle(
+        title = (
             f"System throughput, {_profile_title(result, profile)}\n(labels: x samples/s of DDP fp32; in brackets: "
-            "fp32's CPU seconds per step / the method's: the work, without waiting for a core or the network)",
-            fontsize=10,
+            "fp32's CPU seconds per step / the method's: the work, without waiting for a core or the network)"
         )
-        fig.tight_layout()
-        path = outdir / f"{stem}_{profile}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_save(fig, title, outdir / f"{stem}_{profile}.png"))
         # breakdown
         fig, axes, models, batches = _grid(rows)
         for i, model in enumerate(models):
@@ -135,16 +138,11 @@ def throughput_figures(result: dict, outdir: Path, stem: str = "throughput") -> 
                     ax.legend(fontsize=7, loc="upper right")
             for j in range(len(batches[model]), axes.shape[1]):
                 axes[i][j].axis("off")
-        fig.suptitle(
+        title = (
             f"Time per step, {_profile_title(result, profile)}\n(CPU seconds of compute and codec from "
-            "no-communication runs interleaved with the methods; waiting = measured step (black line) - CPU time)",
-            fontsize=10,
+            "no-communication runs interleaved with the methods; waiting = measured step (black line) - CPU time)"
         )
-        fig.tight_layout()
-        path = outdir / f"{stem}_{profile}_breakdown.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_save(fig, title, outdir / f"{stem}_{profile}_breakdown.png"))
     return paths
 
 
