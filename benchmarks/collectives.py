@@ -72,7 +72,7 @@ def _rank(rank, world, init_file, args, q):
                 topology=topologies[layout],
                 method=method,
                 inter_method=inter,
-                generator=seed,
+                keys=seed,
                 chunk_numel=args.chunk_numel,
                 stats=stats,
                 **({} if out is None else {"out": out}),

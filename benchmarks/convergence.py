@@ -4,8 +4,8 @@ Runs the two recipes as users run them (``torchrun``, 4 CPU processes as 2 simul
 steps and seeds for every method, then writes curves, a table of final metrics (mean ± std over seeds) and the JSON
 of all numbers:
 
-- ``birder-h``: Birder, hierarchical 1-bit all-reduce (``--comm_method hierarchical --num_nodes 2``);
-- ``birder-flat``: Birder, flat 1-bit all-gather (``--comm_method allgather``);
+- ``birder-h``: Birder, hierarchical 1-bit all-reduce (``--method hierarchical --num_nodes 2``);
+- ``birder-flat``: Birder, flat 1-bit all-gather (``--method allgather``);
 - ``adamw`` (both tasks) and ``sgdm`` (ResNet): the uncompressed baselines (DDP fp32 all-reduce);
 - ``birder-1p``: one process with ``quantize=False`` and the same global batch, a reference without 1-bit noise;
 - ``onebitadam``: 1-bit Adam (Tang et al. 2021, the paper's compressed baseline) with AdamW's learning rate and a
@@ -120,8 +120,8 @@ def _method_args(task: str, method: str, cfg: Config) -> tuple[int, list[str]]:
     """(processes, recipe arguments) of one method; everything else is the same for all methods of a task."""
     nproc = 1 if method == "birder-1p" else cfg.nproc
     opt = "birder" if method.startswith("birder") else method
-    comm = {"birder-h": ["--comm_method", "hierarchical", "--num_nodes", str(cfg.num_nodes)]}
-    comm["birder-flat"] = ["--comm_method", "allgather"]
+    comm = {"birder-h": ["--method", "hierarchical", "--num_nodes", str(cfg.num_nodes)]}
+    comm["birder-flat"] = ["--method", "allgather"]
     args = ["--optimizer", opt, *comm.get(method, [])]
     if method == "onebitadam":
         args += ["--freeze_step", str(max(1, round(cfg.onebit_warmup * total_steps(task, cfg))))]

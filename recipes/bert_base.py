@@ -134,16 +134,16 @@ class OptimizerArguments(BirderArguments):
         },
     )
     hierarchy: bool = field(
-        default=False, metadata={"help": "The seed's --hierarchy: same as --comm_method hierarchical."}
+        default=False, metadata={"help": "The official code's --hierarchy: same as --method hierarchical."}
     )
     momentum: float = field(default=0.9, metadata={"help": "sgdm only."})
 
+    optimizers = ("birder", "onebitadam", "adamw", "sgdm")
+
     def __post_init__(self):
         super().__post_init__()
-        if self.optimizer not in ("birder", "onebitadam", "adamw", "sgdm"):
-            raise ValueError(f"--optimizer must be birder, onebitadam, adamw or sgdm, got {self.optimizer!r}")
         if self.hierarchy:
-            self.comm_method = "hierarchical"
+            self.method = "hierarchical"
 
 
 def parse_args(argv=None):
@@ -152,12 +152,7 @@ def parse_args(argv=None):
     if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
         loader = parser.parse_json_file if argv[0].endswith(".json") else parser.parse_yaml_file
         return loader(os.path.abspath(argv[0]))
-    given = {a.split("=", 1)[0].lstrip("-") for a in argv if a.startswith("--")}
-    for key, value in RECIPE_DEFAULTS.items():
-        if key not in given:
-            argv += [f"--{key}", str(value)]
-    if "use_cpu" not in given and not torch.cuda.is_available():
-        argv += ["--use_cpu", "True"]
+    parser.set_defaults(**RECIPE_DEFAULTS, **({} if torch.cuda.is_available() else {"use_cpu": True}))
     return parser.parse_args_into_dataclasses(args=argv)
 
 
@@ -228,7 +223,7 @@ def train(model_args, data_args, opt_args, training_args):
     if not training_args.should_log:
         logging.getLogger().setLevel(logging.WARNING)
     check_really_distributed(training_args.world_size)  # the accelerate --multi_gpu-on-CPU trap
-    logger.info("world size %d, optimizer %s (%s)", training_args.world_size, opt_args.optimizer, opt_args.comm_method)
+    logger.info("world size %d, optimizer %s (%s)", training_args.world_size, opt_args.optimizer, opt_args.method)
 
     train_raw, eval_raw = build_datasets(data_args, training_args)
     if data_args.max_train_samples:
@@ -266,7 +261,7 @@ def train(model_args, data_args, opt_args, training_args):
     if state is not None:  # Birder: what the 1-bit hook saved
         metrics.update({k: v for k, v in state.stats.as_dict("comm/").items()})
         metrics["comm/topology"] = repr(state.topology)
-        metrics["comm/method"] = opt_args.comm_method if opt_args.optimizer == "birder" else opt_args.optimizer
+        metrics["comm/method"] = opt_args.method if opt_args.optimizer == "birder" else opt_args.optimizer
     trainer.save_model()  # save_pretrained: config, weights (safetensors), tokenizer
     trainer.save_metrics("all", metrics)  # all_results.json
     trainer.save_state()

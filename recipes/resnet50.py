@@ -4,14 +4,14 @@
 # ///
 """Train a timm image classifier (ResNet-50 by default) with Birder in an accelerate loop.
 
-The paper's ImageNet workload with the seed's schedule (lr 0.004, weight decay 0.1, beta 0.95, lr / 10 every
+The paper's ImageNet workload with the official code's schedule (lr 0.004, weight decay 0.1, beta 0.95, lr / 10 every
 30 epochs), on an ImageNet-style folder (``--data_dir`` with ``train/<class>/*`` and ``val/<class>/*``).
 Without ``--data_dir`` it trains offline on real images the project writes as such a folder (sklearn's
 8x8 digits, upscaled).
 
     # CPU, one machine, 4 processes as 2 simulated nodes x 2:
     ACCELERATE_USE_CPU=1 accelerate launch --config_file accelerate_configs/cpu.yaml recipes/resnet50.py --num_nodes 2
-    # GPUs, 4 nodes x 8 (the seed's run), on every node with its --machine_rank:
+    # GPUs, 4 nodes x 8 (the official code's run), on every node with its --machine_rank:
     accelerate launch --config_file accelerate_configs/multi_node_4x8.yaml --machine_rank $NODE_RANK \\
         --main_process_ip $MASTER recipes/resnet50.py --data_dir /data/imagenet --batch_size 256 --epochs 100 \\
         --lr 0.004 --weight_decay 0.1 --beta 0.95 --warmup_epochs 10 --hierarchy --output_dir outputs/resnet50
@@ -40,7 +40,7 @@ from embedded_data import write_digits_image_folder  # noqa: E402
 
 from birder_hf import Birder, OneBitAdam, Topology  # noqa: E402
 from birder_hf.integrations.accelerate import check_really_distributed, register_birder_hook  # noqa: E402
-from birder_hf.integrations.transformers import birder_model_card_section  # noqa: E402
+from birder_hf.model_card import model_card_section  # noqa: E402
 
 logger = logging.getLogger("resnet50")
 
@@ -64,11 +64,13 @@ class Args:
     momentum: float = field(default=0.9, metadata={"help": "sgdm only."})
     warmup_epochs: float = field(default=0.0, metadata={"help": "Linear lr warm-up (the seed: 10 of 100)."})
     lr_step_epochs: int = field(default=30, metadata={"help": "Divide the lr by 10 every this many epochs."})
-    comm_method: str = field(default="hierarchical", metadata={"help": "allgather | scatter_gather | hierarchical."})
-    hierarchy: bool = field(default=False, metadata={"help": "The seed's --hierarchy: --comm_method hierarchical."})
+    method: str = field(default="hierarchical", metadata={"help": "allgather | scatter_gather | hierarchical."})
+    hierarchy: bool = field(
+        default=False, metadata={"help": "The official code's --hierarchy: --method hierarchical."}
+    )
     inter_method: str = field(default="allgather", metadata={"help": "hierarchical: allgather | scatter_gather."})
     num_nodes: int | None = field(default=None, metadata={"help": "Override the node layout (simulate nodes)."})
-    chunk_numel: int | None = field(default=None, metadata={"help": "The seed's --all_gather_by_chunks."})
+    chunk_numel: int | None = field(default=None, metadata={"help": "The official code's --all_gather_by_chunks."})
     save_every_epochs: int = field(default=1, metadata={"help": "Checkpoint every this many epochs (0: never)."})
     logging_steps: int = field(default=10, metadata={"help": "Record the training loss every this many steps."})
     resume_from_checkpoint: str | None = field(default=None, metadata={"help": "A checkpoint-<step> folder."})
@@ -81,7 +83,7 @@ class Args:
         if self.optimizer not in ("birder", "onebitadam", "sgdm", "adamw"):
             raise ValueError(f"--optimizer must be birder, onebitadam, sgdm or adamw, got {self.optimizer!r}")
         if self.hierarchy:
-            self.comm_method = "hierarchical"
+            self.method = "hierarchical"
         if self.data_dir is not None and not os.path.isdir(os.path.join(self.data_dir, "train")):
             raise ValueError(f"--data_dir {self.data_dir} needs train/<class>/ and val/<class>/ folders.")
 
@@ -118,7 +120,7 @@ def build_optimizer(args, model):
 
 
 def lr_factor(step, steps_per_epoch, args):
-    """The seed's schedule: linear warm-up, then / 10 every ``lr_step_epochs`` epochs."""
+    """The official code's schedule: linear warm-up, then / 10 every ``lr_step_epochs`` epochs."""
     epoch = step / steps_per_epoch
     if epoch < args.warmup_epochs:
         return (step + 1) / (args.warmup_epochs * steps_per_epoch)
@@ -156,9 +158,14 @@ def train(args):
         topology = None
         if args.num_nodes and accelerator.num_processes > 1:
             topology = Topology.from_layout(args.num_nodes, accelerator.num_processes // args.num_nodes)
-        birder_only = dict(method=args.comm_method, inter_method=args.inter_method, chunk_numel=args.chunk_numel)
         hook_state = register_birder_hook(
-            accelerator, model, optimizer, topology=topology, **(birder_only if args.optimizer == "birder" else {})
+            accelerator,
+            model,
+            optimizer,
+            topology=topology,
+            method=args.method,
+            inter_method=args.inter_method,
+            chunk_numel=args.chunk_numel,
         )
     logger.info(
         "world size %d, %s, optimizer %s, %s",
@@ -266,22 +273,9 @@ def save_model(accelerator, args, model, optimizer, results):
         f"---\nlibrary_name: timm\ntags: [image-classification, timm, birder]\n---\n# {args.model}\n",
         f"Top-1 {results['final_val_top1']:.2f}% on {args.data_dir or 'the embedded digits'}.\n",
     ]
-    if args.optimizer == "birder":
-        from birder_hf.integrations.transformers import BirderArguments
-
-        b = BirderArguments(
-            beta=args.beta,
-            comm_method=args.comm_method,
-            inter_method=args.inter_method,
-            chunk_numel=args.chunk_numel,
-            num_nodes=args.num_nodes,
-        )
-        card.append(birder_model_card_section(optimizer.optimizer, b))
-    elif args.optimizer == "onebitadam":
-        card.append(
-            f"Trained with 1-bit Adam (Tang et al., ICML 2021; birder-hf OneBitAdam), lr {args.lr}, "
-            f"freeze_step {args.freeze_step}.\n"
-        )
+    if args.optimizer in ("birder", "onebitadam"):
+        communication = dict(method=args.method, inter_method=args.inter_method, chunk_numel=args.chunk_numel)
+        card.append(model_card_section(optimizer, communication if args.optimizer == "birder" else None))
     with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as f:
         f.write("\n".join(card))
     if args.push_to_hub:

@@ -1,4 +1,4 @@
-"""Smoke tests of the communication benchmarks (``benchmarks/throughput.py``, its worker, ``cost_model.py``).
+"""Smoke tests of the communication benchmarks (``benchmarks/system/throughput.py``, its worker, ``cost_model.py``).
 
 Tiny models only: a 26k-parameter MLP on two forked local ranks (no namespaces needed), the testbed path (torchrun in
 two network namespaces) when namespaces can be created (skipped otherwise), and the cost model's arithmetic.
@@ -17,7 +17,10 @@ _BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"birder_benchmarks_{name}", _BENCH / f"{name}.py")
+    path = _BENCH / f"{name}.py"
+    if not path.exists():
+        path = _BENCH / "system" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"birder_benchmarks_{name}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up here
     spec.loader.exec_module(module)
@@ -111,6 +114,7 @@ def test_summary_targets_table_and_plots(local_records, tmp_path):
     assert all(p.stat().st_size > 10_000 for p in paths)
 
 
+@pytest.mark.netns
 def test_testbed_path_counts_link_bytes(tmp_path):
     ok, reason = throughput.testbed.available()
     if not ok:

@@ -23,13 +23,16 @@ def _bits(keys, v, start, stage, who):
     return unpack_bits(keys.quantize_pack(v, start, stage, who), v.numel()).float()
 
 
-def _mean(votes):  # exact mean of 0/1 votes as +-1, computed as the library does: (2c - m) / m in fp32
-    return (2 * torch.stack(votes).sum(0) - len(votes)) / len(votes)
+def _mean(votes, work=torch.float32):
+    # exact mean of 0/1 votes as +-1, computed as the library does: (2c - m) / m in fp32 (fp64 for an fp64 output)
+    return (2 * torch.stack(votes).to(work).sum(0) - len(votes)) / len(votes)
 
 
-def simulate(method, us, keys, num_nodes, lws, inter_method="allgather"):
+def simulate(method, us, keys, num_nodes, lws, inter_method="allgather", work=torch.float32):
     """Single-process reference of every method (DeepSpeed's torch_sim idea), fp32."""
     n, numel = len(us), us[0].numel()
+    if method == "hierarchical" and num_nodes == 1 and 1 + lws.bit_length() >= lws:
+        method = "allgather"  # one node of <= 4 ranks: the same exact mean, fewer bytes
     align = {"allgather": 8, "scatter_gather": 8 * n, "hierarchical": 8 * lws}[method]
     if method == "hierarchical" and inter_method == "scatter_gather":
         align *= num_nodes
@@ -39,8 +42,8 @@ def simulate(method, us, keys, num_nodes, lws, inter_method="allgather"):
         return torch.cat([v, v.new_zeros(padded - numel)])
 
     votes = [pad(_bits(keys, u.reshape(-1), 0, STAGE_WORKER, r)) for r, u in enumerate(us)]
-    if method == "allgather":
-        d = _mean(votes)
+    if method == "allgather" or (method == "hierarchical" and num_nodes == 1):
+        d = _mean(votes, work)  # the exact vote mean, rounded once in the output's work dtype
     elif method == "scatter_gather":
         v, s = _mean(votes), padded // n
         d = torch.cat([_bits(keys, v[i * s : (i + 1) * s], i * s, STAGE_SHARD, 0) for i in range(n)]) * 2 - 1
@@ -104,7 +107,7 @@ def _all_cases(rank, world, layout, method, inter_method):
             topology=topo,
             method=method,
             inter_method=inter_method,
-            generator=_keys(length),
+            keys=_keys(length),
             chunk_numel=chunk,
             stats=stats,
         )
@@ -126,6 +129,7 @@ CONFIGS = [  # (world, layout, method, inter_method)
     (4, (2, 2), "hierarchical", "scatter_gather"),
     (4, (4, 1), "hierarchical", "scatter_gather"),
     (4, (1, 4), "hierarchical", "allgather"),
+    (5, (1, 5), "hierarchical", "allgather"),  # one node of 5: the vote counts path
 ]
 
 
@@ -146,6 +150,7 @@ def test_identical_on_every_rank_and_matches_reference(world, layout, method, in
             num_nodes,
             lws,
             inter_method,
+            work=torch.float64 if dtype == torch.float64 else torch.float32,
         )
         assert torch.equal(d0.reshape(-1), ref.to(dtype)), f"case {i}: differs from the reference"
         # bytes sent: as predicted, on every rank, whatever the chunking
@@ -159,11 +164,11 @@ def test_identical_on_every_rank_and_matches_reference(world, layout, method, in
 def _exact_votes(rank, world):
     keys = BitKeys(seed=1, step=2, segment_ids=[4, 5], segment_sizes=[300, 700])
     u = _u(rank, 1000, torch.float32)
-    d = onebit_all_reduce(u, method="allgather", generator=keys)
+    d = onebit_all_reduce(u, method="allgather", keys=keys)
     # out=: written in place, even over u itself (u is read only before the call returns), async too
     own = u.clone().view(10, 100)
-    same = onebit_all_reduce(own, method="allgather", generator=keys, out=own)
-    fut = onebit_all_reduce(u, method="allgather", generator=keys, out=torch.empty(1000), async_op=True)
+    same = onebit_all_reduce(own, method="allgather", keys=keys, out=own)
+    fut = onebit_all_reduce(u, method="allgather", keys=keys, out=torch.empty(1000), async_op=True)
     assert same is own and torch.equal(own.view(-1), d) and torch.equal(fut.wait(), d)
     return u, d
 
@@ -194,7 +199,7 @@ def _unbiased(rank, world, layout, method, inter_method):
     topo = _topology(layout)
     total = torch.zeros(M, dtype=torch.float64)
     for seed in range(SEEDS):
-        d = onebit_all_reduce(u, topology=topo, method=method, inter_method=inter_method, generator=seed)
+        d = onebit_all_reduce(u, topology=topo, method=method, inter_method=inter_method, keys=seed)
         total += d.view(T, M).double().sum(0)
     return base, total / (T * SEEDS)
 
@@ -228,7 +233,7 @@ def _invariance(rank, world, layout, method, inter_method):
         u = torch.cat([parts[i] for i in order])
         for chunk in (None, 8 * world, 24 * world, 10**6):
             d = onebit_all_reduce(
-                u, topology=topo, method=method, inter_method=inter_method, generator=keys, chunk_numel=chunk
+                u, topology=topo, method=method, inter_method=inter_method, keys=keys, chunk_numel=chunk
             )
             outs.append(dict(zip(order, d.split([sizes[i] for i in order]), strict=True)))
     return outs
@@ -253,7 +258,7 @@ def _async(rank, world, layout, method, inter_method):
     topo = _topology(layout)
     inputs = [_u(rank, n, torch.float32) for n in (1001, 64, 3000, 5, 999, 2048, 77, 1500)]
     sync = [
-        onebit_all_reduce(u, topology=topo, method=method, inter_method=inter_method, generator=i)
+        onebit_all_reduce(u, topology=topo, method=method, inter_method=inter_method, keys=i)
         for i, u in enumerate(inputs)
     ]
     # all in flight at once, some chunked, one chained with .then(), like DDP buckets
@@ -263,7 +268,7 @@ def _async(rank, world, layout, method, inter_method):
             topology=topo,
             method=method,
             inter_method=inter_method,
-            generator=i,
+            keys=i,
             async_op=True,
             chunk_numel=256 if i % 2 else None,
         )
@@ -280,7 +285,7 @@ def _async(rank, world, layout, method, inter_method):
         sums.append(t.item())
     assert sums == [sum(r + i for r in range(world)) for i in range(20)]
     # a sync call on the same topology waits for the pending ones (keeps the collective order)
-    mid = onebit_all_reduce(inputs[1], topology=topo, method=method, inter_method=inter_method, generator=1)
+    mid = onebit_all_reduce(inputs[1], topology=topo, method=method, inter_method=inter_method, keys=1)
     values = [f.wait() for f in futs]
     return sync, values, doubled.wait(), mid
 
@@ -318,9 +323,13 @@ def test_expected_bytes_follow_the_design_table(layout):
     h_sg = expected_bytes("hierarchical", d, layout, inter_method="scatter_gather")
     assert h_sg["inter_node_bytes"] == 2 * (k - 1) / k * d / (8 * lws) <= 2 * d / (8 * lws)
     # intra: the votes' all-to-all, then the shard results (+-1 bits; or the vote counts' binary digits)
-    step4 = d / 8 * k.bit_length()
-    assert h_ag["intra_node_bytes"] == (lws - 1) / lws * (d / 8 + step4)
-    assert h_sg["intra_node_bytes"] == 2 * (lws - 1) / lws * d / 8
+    # (one node: the exact mean of its L votes, whichever inter_method: the cheaper of allgather and the vote counts)
+    step4 = d / 8 * (k.bit_length() if k > 1 else lws.bit_length())
+    h_ag_intra = (lws - 1) / lws * (d / 8 + step4)
+    if k == 1:
+        h_ag_intra = min(h_ag_intra, (lws - 1) * d / 8)
+    assert h_ag["intra_node_bytes"] == h_ag_intra
+    assert h_sg["intra_node_bytes"] == (h_ag_intra if k == 1 else 2 * (lws - 1) / lws * d / 8)
     # against the fp32 ring all-reduce: allgather's volume grows with n (ratio 64/n), scatter_gather's does not
     assert fp32 / (ag["intra_node_bytes"] + ag["inter_node_bytes"]) == pytest.approx(64 / n)
     assert fp32 / (sg["intra_node_bytes"] + sg["inter_node_bytes"]) == pytest.approx(32)
@@ -331,9 +340,7 @@ def _three_by_three(rank, world):
     out = []
     for inter_method in ("allgather", "scatter_gather"):
         u, stats = _u(rank, 500, torch.float32), CommStats()
-        d = onebit_all_reduce(
-            u, topology=topo, method="hierarchical", inter_method=inter_method, generator=8, stats=stats
-        )
+        d = onebit_all_reduce(u, topology=topo, method="hierarchical", inter_method=inter_method, keys=8, stats=stats)
         out.append((u, d, stats))
     return out
 
@@ -384,10 +391,10 @@ def _bad_in_group(rank, world):
     errors = []
     topo = Topology.flat()
     for kwargs in (
-        {"u": torch.zeros(8), "generator": BitKeys.single(0, 0, 9)},
+        {"u": torch.zeros(8), "keys": BitKeys.single(0, 0, 9)},
         {"u": torch.zeros(8, device="meta")},
         {"u": torch.zeros(8), "topology": "flat"},
-        {"u": torch.zeros(8), "generator": 1.5},
+        {"u": torch.zeros(8), "keys": 1.5},
         {"u": torch.zeros(8), "out": torch.zeros(8, dtype=torch.float64)},
     ):
         kwargs.setdefault("topology", topo)
@@ -402,8 +409,8 @@ def _bad_in_group(rank, world):
 def test_bad_arguments_in_a_group():
     for errors in run_distributed(_bad_in_group, 2):
         (e1, m1), (e2, m2), (e3, m3), (e4, m4), (e5, m5) = errors
-        assert e1 == "ValueError" and "describes 9 elements" in m1
+        assert e1 == "ValueError" and "describe 9 elements" in m1
         assert e2 == "ValueError" and "meta" in m2 and "gloo" in m2
         assert e3 == "TypeError" and "Topology" in m3
-        assert e4 == "TypeError" and "generator" in m4
+        assert e4 == "TypeError" and "keys" in m4
         assert e5 == "ValueError" and "out must be" in m5 and "float64" in m5

@@ -59,7 +59,7 @@ def _train_reference(rank, world, method, steps, dtype=torch.float32, accumulate
     # in step(); the bits are keyed per parameter, so this must equal the hook under any bucket layout.
     model = _model(dtype)
     opt = Birder(
-        model.parameters(), lr=0.02, beta=0.9, weight_decay=0.01, seed=5, topology=_topology(world), comm_method=method
+        model.parameters(), lr=0.02, beta=0.9, weight_decay=0.01, seed=5, topology=_topology(world), method=method
     )
     for t in range(steps):
         for micro in range(accumulate):
@@ -201,9 +201,9 @@ def test_clear_errors():
 
 def test_warns_when_used_under_ddp_without_the_hook():
     def fn(rank, world):
-        import birder_hf.optim as optim_mod
+        import birder_hf.base as base
 
-        optim_mod._warned_no_hook = False
+        base._warned_without_communicator.clear()
         model = _model()
         ddp = DDP(model)
         opt = Birder(model.parameters(), lr=0.01)

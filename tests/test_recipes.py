@@ -99,7 +99,7 @@ def test_bert_recipe_baseline_and_bad_arguments(tmp_path):
         text=True,
         env={**os.environ, "PYTHONPATH": ROOT + "/src"},
     )
-    assert bad.returncode != 0 and "--optimizer must be birder, onebitadam, adamw or sgdm" in bad.stderr
+    assert bad.returncode != 0 and "choose one of birder, onebitadam, adamw, sgdm" in bad.stderr
 
 
 def test_resnet_recipe_through_accelerate_launch(tmp_path):

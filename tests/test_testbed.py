@@ -1,4 +1,8 @@
-"""Tests for `benchmarks/testbed.py` (network namespaces + tc shaping). Skipped without root/CAP_NET_ADMIN."""
+"""Tests for `benchmarks/system/testbed.py` (network namespaces + tc shaping).
+
+Opt-in (``python -m pytest -m netns``): they need root (CAP_NET_ADMIN, CAP_SYS_ADMIN) and create network namespaces;
+skipped without them.
+"""
 
 import importlib.util
 import os
@@ -8,13 +12,15 @@ from pathlib import Path
 
 import pytest
 
-_BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+_BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "system"
 _spec = importlib.util.spec_from_file_location("birder_benchmarks_testbed", _BENCH / "testbed.py")
 testbed = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = testbed  # dataclasses look their module up here
 _spec.loader.exec_module(testbed)
 
 RATE_MBIT = 100
+
+pytestmark = pytest.mark.netns
 
 
 @pytest.fixture(autouse=True)

@@ -83,7 +83,7 @@ def _flat_subgroup(rank, world):
     if rank not in (1, 3):
         return None
     topo = Topology.flat(sub)
-    d = onebit_all_reduce(torch.full((10,), 1.0 if rank == 1 else -1.0), topology=topo, generator=0)
+    d = onebit_all_reduce(torch.full((10,), 1.0 if rank == 1 else -1.0), topology=topo, keys=0)
     return repr(topo), topo.intra_ranks, topo.world_group is not sub, d
 
 

@@ -7,7 +7,7 @@ Training` (Peng et al., NeurIPS 2023) - https://openreview.net/forum?id=Mlo2kM11
 __version__ = "0.1.0"
 
 from .collectives import CommStats, onebit_all_reduce
-from .hook import BirderHookState, birder_hook
+from .hook import BirderHookState, attach_ddp_hook, birder_hook
 from .onebit_adam import OneBitAdam, OneBitAdamHookState, onebit_adam_hook
 from .optim import Birder, birder
 from .topology import Topology
@@ -20,6 +20,7 @@ __all__ = [
     "CommStats",
     "BirderHookState",
     "birder_hook",
+    "attach_ddp_hook",
     "OneBitAdam",
     "OneBitAdamHookState",
     "onebit_adam_hook",

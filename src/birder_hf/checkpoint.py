@@ -29,51 +29,15 @@ import warnings
 
 import torch
 
-__all__ = ["save_rank_state", "load_rank_state", "read_rank_state", "rank_state_path", "RankLocalState", "SUBDIR"]
+from .base import OneBitOptimizer, unwrap_optimizer
+
+RankLocalState = OneBitOptimizer  # deprecated alias: the rank-local state handling moved to birder_hf.base
+
+__all__ = ["save_rank_state", "load_rank_state", "read_rank_state", "rank_state_path", "SUBDIR"]
 
 SUBDIR = "birder"
 _FORMAT = 1
 _NAME = re.compile(r"^rank_(\d{5})-of-(\d{5})\.pt$")
-
-
-def state_dtype(p: torch.Tensor) -> torch.dtype:
-    """The dtype of a parameter's optimizer state: at least float32 (bf16/fp16 parameters keep float32 state)."""
-    return torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
-
-
-class RankLocalState:
-    """Mixin (before ``torch.optim.Optimizer`` in the bases) for optimizers whose state is rank-local: Birder and
-    OneBitAdam.
-
-    ``load_state_dict`` keeps the float32 state of bf16/fp16 parameters float32 (``Optimizer`` casts floating state
-    to the parameter's dtype, which would round it), and, when a framework's checkpoint-load hook staged this rank's
-    own state in ``_rank_state_override``, loads that instead of the ``state_dict`` the framework passes (rank 0's,
-    loaded on every rank).
-    """
-
-    _rank_state_override: dict | None = None
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        if self._rank_state_override is not None:
-            state_dict, self._rank_state_override = self._rank_state_override, None
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        keep = {}
-        for saved_id, p in zip(saved_ids, params):
-            if state_dtype(p) != p.dtype:
-                for key, value in state_dict["state"].get(saved_id, {}).items():
-                    if key != "step" and torch.is_tensor(value):
-                        keep[(p, key)] = value
-        super().load_state_dict(state_dict)
-        for (p, key), value in keep.items():
-            self.state[p][key] = value.to(device=p.device, dtype=torch.float32)
-
-
-def _unwrap(optimizer):
-    # accelerate's AcceleratedOptimizer and similar wrappers keep the real optimizer in .optimizer
-    while not hasattr(optimizer, "param_index") and hasattr(optimizer, "optimizer"):
-        optimizer = optimizer.optimizer
-    return optimizer
 
 
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -92,7 +56,7 @@ def rank_state_path(checkpoint_dir: str, rank: int, world_size: int) -> str:
 
 def save_rank_state(optimizer, checkpoint_dir: str, *, rank: int | None = None, world_size: int | None = None) -> str:
     """Write this rank's optimizer state under ``checkpoint_dir/birder/`` atomically; return the path."""
-    opt = _unwrap(optimizer)
+    opt = unwrap_optimizer(optimizer)
     rank, world_size = _rank_and_world(rank, world_size)
     path = rank_state_path(checkpoint_dir, rank, world_size)
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -162,6 +126,6 @@ def read_rank_state(
 
 def load_rank_state(optimizer, checkpoint_dir: str, *, rank: int | None = None, world_size: int | None = None) -> None:
     """Load this rank's own optimizer state from ``checkpoint_dir/birder/`` (see the module docstring)."""
-    opt = _unwrap(optimizer)
+    opt = unwrap_optimizer(optimizer)
     state = read_rank_state(checkpoint_dir, rank=rank, world_size=world_size)
     opt.load_state_dict(state)

@@ -7,12 +7,15 @@ Deviations from the paper (reconstructed: the paper's code was not available to 
     - every random draw is counter-based (``quantize.BitKeys``: seed, step, parameter, element index,
       stage, worker or node), so bits do not depend on bucket layout, chunking or shard ownership;
     - ``hierarchical`` step 1 exchanges the workers' votes inside a node as packed bits with an
-      all-to-all (1 bit per element) instead of the int8 reduce-scatter of the design table: 8x fewer
+      all-to-all (1 bit per element) instead of an int8 reduce-scatter of vote sums: 8x fewer
       intra-node bytes, exact all the same, and async-capable on gloo (which has no async
       reduce-scatter);
     - with ``inter_method="allgather"`` the exact mean of the k node bits is kept (no re-quantization):
       step 4 shares it inside the node as the vote counts' binary digits, ``bit_length(k)`` bits per
       element (k = 1: 1 bit, k = 2, 3: 2 bits, k = 4..7: 3 bits);
+    - on one node (k = 1), ``hierarchical`` keeps the exact mean of the L votes (as ``allgather`` for L <= 4,
+      else step 4 shares their counts) instead of re-quantizing it to 1 bit: nothing crosses nodes, so there is
+      nothing to save;
     - received votes are never unpacked: fused kernels (``quantize.votes_mean_``, ``digits_mean_``,
       ``requantize_pack``) count them straight from the packed bytes and write the mean, or its re-quantized
       bits, in one pass; step 4's vote counts are made bit-sliced (a ripple-carry adder over the bytes).
@@ -20,6 +23,9 @@ Deviations from the paper (reconstructed: the paper's code was not available to 
 Each method returns ``d``, identical bit for bit on every rank, with ``E[d] = mean_r u_r`` (up to the
 ``2^-23`` codec bias): every draw that other ranks depend on is made on exactly one rank and then
 shared as bits.
+
+The plumbing every communicator shares lives here too: :class:`Wire` (collectives on a topology's groups, with
+byte accounting) and :func:`launch_in_order` (calls on one topology run their collectives in call order).
 """
 
 from __future__ import annotations
@@ -28,29 +34,29 @@ import math
 import numbers
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
 
-from .quantize import (
-    STAGE_INTER_SHARD,
-    STAGE_NODE,
-    STAGE_SHARD,
-    STAGE_WORKER,
-    BitKeys,
-    digits_mean_,
-    votes_mean_,
-)
+from .quantize import STAGE_INTER_SHARD, STAGE_NODE, STAGE_SHARD, STAGE_WORKER, BitKeys, digits_mean_, votes_mean_
 from .topology import Topology
 
-__all__ = ["onebit_all_reduce", "CommStats", "expected_bytes", "METHODS", "INTER_METHODS"]
+__all__ = ["onebit_all_reduce", "CommStats", "expected_bytes", "fp32_allreduce_bytes", "METHODS", "INTER_METHODS"]
 
 METHODS = ("allgather", "scatter_gather", "hierarchical")
 INTER_METHODS = ("allgather", "scatter_gather")
+DEFAULT_METHOD = "hierarchical"  # every entry point's default (one node: the exact vote mean)
+DEFAULT_INTER_METHOD = "allgather"
 
 # all_gather_single replaces the deprecated all_gather_into_tensor in torch >= 2.13.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def fp32_allreduce_bytes(numel: int, world_size: int) -> int:
+    """What one rank sends in an fp32 ring all-reduce (DDP's default) of ``numel`` values: ``2(n-1)/n · 4 · numel``."""
+    return round(2 * (world_size - 1) * 4 * numel / world_size)
 
 
 @dataclass
@@ -85,17 +91,23 @@ class CommStats:
         for f in fields(self):
             setattr(self, f.name, 0)
 
+    def __iadd__(self, other: CommStats) -> CommStats:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        return self
+
     def as_dict(self, prefix: str = "comm/") -> dict[str, float]:
         out = {prefix + f.name: getattr(self, f.name) for f in fields(self)}
         out[prefix + "compression_ratio"] = self.compression_ratio
         return out
 
 
-def _layout(topology) -> tuple[int, int, int]:
-    if isinstance(topology, tuple):
-        k, lws = topology
-        return k * lws, lws, k
-    return topology.world_size, topology.local_world_size, topology.num_nodes
+def _effective_method(method: str, lws: int, k: int) -> str:
+    # One node: hierarchical gives the exact vote mean, as allgather does (bit for bit). Sharing the vote counts
+    # costs (L-1)/L·d/8·(1 + bit_length(L)) bytes against allgather's (L-1)·d/8: fewer only from L = 5 ranks on.
+    if method == "hierarchical" and k == 1 and 1 + lws.bit_length() >= lws:
+        return "allgather"
+    return method
 
 
 def _alignment(method: str, n: int, lws: int, k: int, inter_method: str) -> int:
@@ -107,8 +119,8 @@ def _alignment(method: str, n: int, lws: int, k: int, inter_method: str) -> int:
     return 8 * lws * (k if inter_method == "scatter_gather" else 1)
 
 
-def expected_bytes(method: str, numel: int, topology, *, inter_method: str = "allgather") -> dict[str, int]:
-    """Bytes one rank sends for ``numel`` elements, per the design table, made exact for padding.
+def expected_bytes(method: str, numel: int, topology, *, inter_method: str = DEFAULT_INTER_METHOD) -> dict[str, int]:
+    """Bytes one rank sends for ``numel`` elements, made exact for padding.
 
     ``topology`` is a :class:`Topology` or a ``(num_nodes, local_world_size)`` tuple. Returns
     ``intra_node_bytes``, ``inter_node_bytes`` and ``fp32_allreduce_bytes`` (same accounting as
@@ -119,27 +131,35 @@ def expected_bytes(method: str, numel: int, topology, *, inter_method: str = "al
     - scatter_gather: ``2(n-1)/n·d/8`` split the same way;
     - hierarchical: inter ``(k-1)·d/(8L)`` (``inter_method="allgather"``) or ``2(k-1)/k·d/(8L)``
       (``"scatter_gather"``); intra ``(L-1)/L·d/8`` (step 1) plus step 4: ``(L-1)/L·d/8`` for the ±1
-      bits (scatter_gather), ``bit_length(k)`` times that for the vote counts (allgather).
+      bits (scatter_gather), ``bit_length(k)`` times that for the vote counts (allgather); on one node
+      (``k = 1``) the exact mean of the ``L`` votes: as allgather for ``L <= 4``, else step 4 shares their
+      counts, ``bit_length(L)`` times ``(L-1)/L·d/8``.
     """
     _check_method(method, inter_method)
-    n, lws, k = _layout(topology)
+    if isinstance(topology, tuple):
+        k, lws = topology
+        n = k * lws
+    else:
+        n, lws, k = topology.world_size, topology.local_world_size, topology.num_nodes
+    method = _effective_method(method, lws, k)
     align = _alignment(method, n, lws, k, inter_method)
     d = -(-numel // align) * align
-    intra = inter = 0
     if method in ("allgather", "scatter_gather"):
         per_peer = d // 8 if method == "allgather" else 2 * d // (8 * n)
         intra, inter = (lws - 1) * per_peer, (n - lws) * per_peer
     else:
         shard = d // lws  # elements per node shard
         intra = (lws - 1) * shard // 8  # step 1: all-to-all of the votes
-        if inter_method == "allgather":
+        if k == 1:  # one node: the exact vote counts of L votes, bit_length(L) bits per element
+            inter, step4 = 0, lws.bit_length() * shard // 8
+        elif inter_method == "allgather":
             inter = (k - 1) * shard // 8
             step4 = k.bit_length() * shard // 8  # the vote counts' binary digits
         else:
             inter = 2 * (k - 1) * (shard // k) // 8
             step4 = shard // 8
         intra += (lws - 1) * step4
-    fp32 = round(2 * (n - 1) * 4 * numel / n)
+    fp32 = fp32_allreduce_bytes(numel, n)
     return {"intra_node_bytes": intra, "inter_node_bytes": inter, "fp32_allreduce_bytes": fp32}
 
 
@@ -167,7 +187,8 @@ def _check_device(group, device: torch.device) -> None:
         )
 
 
-class _Done:
+# ------------------------------------------------------------------------------------------- plumbing
+class Done:
     """The completed 'work' of a collective on a group of one rank."""
 
     def wait(self) -> bool:
@@ -179,8 +200,11 @@ class _Done:
         return fut
 
 
-class _Wire:
-    """Collectives on the topology's groups, with byte accounting."""
+DONE = Done()
+
+
+class Wire:
+    """Collectives on a topology's groups (``"world"``, ``"intra"``, ``"inter"``), counted into ``stats``."""
 
     def __init__(self, topo: Topology, stats: CommStats | None):
         self.topo, self.stats = topo, stats
@@ -200,120 +224,95 @@ class _Wire:
         s.collectives += 1
         if scope == "world":
             lws = self.topo.local_world_size
-            s.intra_node_bytes += (lws - 1) * per_peer
-            s.inter_node_bytes += (size - lws) * per_peer
+            s.intra_node_bytes += round((lws - 1) * per_peer)
+            s.inter_node_bytes += round((size - lws) * per_peer)
         elif scope == "intra":
-            s.intra_node_bytes += (size - 1) * per_peer
+            s.intra_node_bytes += round((size - 1) * per_peer)
         else:
-            s.inter_node_bytes += (size - 1) * per_peer
+            s.inter_node_bytes += round((size - 1) * per_peer)
 
     def all_gather(self, inp: torch.Tensor, scope: str):
+        """Start an all-gather of ``inp``: ``(out, work)``, ``out`` holding every member's ``inp`` in rank order."""
         group, size = self._scope(scope)
         if size == 1:
-            return inp, _Done()
+            return inp, DONE
         out = torch.empty(size * inp.numel(), dtype=inp.dtype, device=inp.device)
         self._count(scope, size, inp.numel() * inp.element_size())
         return out, _all_gather(out, inp, group=group, async_op=True)
 
     def all_to_all(self, inp: torch.Tensor, scope: str):
+        """Start an all-to-all: member ``i`` receives the ``i``-th equal slice of every member's ``inp``."""
         group, size = self._scope(scope)
         if size == 1:
-            return inp, _Done()
+            return inp, DONE
         out = torch.empty_like(inp)
         self._count(scope, size, inp.numel() * inp.element_size() // size)
         return out, dist.all_to_all_single(out, inp, group=group, async_op=True)
 
-    def sync(self, kind: str, inp: torch.Tensor, scope: str) -> torch.Tensor:
-        out, work = getattr(self, kind)(inp, scope)
+    def all_reduce_sum(self, buf: torch.Tensor, scope: str, per_peer: float):
+        """Start an in-place sum all-reduce of ``buf``, counted as ``per_peer`` bytes sent to each peer."""
+        group, size = self._scope(scope)
+        if size == 1:
+            return buf, DONE
+        self._count(scope, size, per_peer)
+        return buf, dist.all_reduce(buf, group=group, async_op=True)
+
+    def all_gather_sync(self, inp: torch.Tensor, scope: str) -> torch.Tensor:
+        out, work = self.all_gather(inp, scope)
+        work.wait()
+        return out
+
+    def all_to_all_sync(self, inp: torch.Tensor, scope: str) -> torch.Tensor:
+        out, work = self.all_to_all(inp, scope)
         work.wait()
         return out
 
 
-def _count_planes(rows: torch.Tensor) -> torch.Tensor:
-    """The vote counts of ``m`` packed rows ``(m, P)``, as ``m.bit_length()`` packed binary digits ``(B, P)``.
+class Job:
+    """A communicator's call on one topology: ``start(wire)`` launches the first collective and returns
+    ``(recv, work)``; ``finish(wire, recv)`` runs the rest (blocking collectives allowed) and returns the result.
 
-    A bit-sliced ripple-carry adder on the packed bytes: about ``2·m·log2(m)`` byte ops on ``P = numel/8``
-    bytes; nothing is unpacked.
+    Everything that may reference the process groups (the wire, and ``start``/``finish`` with what they close
+    over) is dropped as soon as the job ends, on whatever thread that is, while the caller still holds the
+    topology: a callback's closure dies later on the backend's thread, and if it held the last reference to the
+    groups, their destructor would join that very thread ("Resource deadlock avoided", SIGABRT).
     """
-    m = rows.shape[0]
-    if m == 1:
-        return rows
-    planes = rows.new_zeros(m.bit_length(), rows.shape[1])
-    for i, row in enumerate(rows):
-        carry = row
-        for j in range((i + 1).bit_length()):  # after i+1 rows the count fits in that many bits
-            nxt = planes[j] & carry
-            planes[j] ^= carry
-            carry = nxt
-    return planes
 
+    def __init__(self, wire: Wire, start: Callable, finish: Callable):
+        self.wire, self._start, self._finish = wire, start, finish
 
-class _Pipeline:
-    """One call's plan: stage 1 (``start``) can run async; the rest (``finish``) runs after it."""
+    def _release(self) -> None:
+        self.wire = self._start = self._finish = None
 
-    def __init__(self, topo, method, inter_method, keys, packed, out, wire):
-        self.topo, self.method, self.inter_method = topo, method, inter_method
-        self.keys, self.packed, self.out, self.wire = keys, packed, out, wire
+    def start(self):
+        try:
+            return self._start(self.wire)
+        except BaseException:
+            self._release()
+            raise
 
-    def start(self, c0: int, c1: int):
-        send = self.packed[c0 // 8 : c1 // 8]
-        if self.method == "allgather":
-            return self.wire.all_gather(send, "world")
-        return self.wire.all_to_all(send, "world" if self.method == "scatter_gather" else "intra")
+    def finish(self, recv):
+        try:
+            return self._finish(self.wire, recv)
+        finally:
+            self._release()
 
-    def finish(self, c0: int, c1: int, recv: torch.Tensor) -> None:
-        getattr(self, "_finish_" + self.method)(c0, c1, recv)
-
-    # -------------------------------------------------------------------------------------- outputs
-    def _write(self, c0: int, c1: int, rows: torch.Tensor) -> None:
-        # the exact mean of the votes in rows (m, P) for elements [c0, c1) (m = 1: the +-1 bits themselves)
-        votes_mean_(self.out[c0 : min(c1, self.out.numel())], rows)
-
-    def _requantize(self, rows: torch.Tensor, start: int, stage: int, who: int) -> torch.Tensor:
-        # mean of the votes in ``rows`` re-quantized to 1 bit; one draw, made on this rank only
-        return self.keys.requantize_pack(rows, start, stage, who)
-
-    # -------------------------------------------------------------------------------------- methods
-    def _finish_allgather(self, c0, c1, recv):
-        self._write(c0, c1, recv.view(self.topo.world_size, -1))
-
-    def _finish_scatter_gather(self, c0, c1, recv):
-        n, r = self.topo.world_size, self.topo.rank
-        shard = (c1 - c0) // n
-        # average the n votes of my shard, re-quantize it, share the bits
-        bits = self._requantize(recv.view(n, -1), c0 + r * shard, STAGE_SHARD, 0) if n > 1 else recv
-        self._write(c0, c1, self.wire.sync("all_gather", bits, "world").view(1, -1))
-
-    def _finish_hierarchical(self, c0, c1, recv):
-        t = self.topo
-        lws, k, j, g = t.local_world_size, t.num_nodes, t.local_rank, t.node_rank
-        shard = (c1 - c0) // lws
-        # 1-2) node mean of my node shard from the L votes, re-quantized to 1 bit by this rank only
-        # (with L == 1 the vote is already +-1 and re-quantizing it would return the same bit)
-        node_bits = recv if lws == 1 else self._requantize(recv.view(lws, -1), c0 + j * shard, STAGE_NODE, g)
-        if self.inter_method == "allgather":
-            # 3) every rank of my column gets all k node bits of the shard: their exact mean, no draw
-            gathered = self.wire.sync("all_gather", node_bits, "inter").view(k, -1)
-            # 4) share that mean inside the node as its vote counts: bit_length(k) packed bits per element
-            planes = _count_planes(gathered)
-            full = self.wire.sync("all_gather", planes.reshape(-1), "intra").view(lws, planes.shape[0], -1)
-            for i, block in enumerate(full):  # local rank i's shard: elements c0 + i·shard ...
-                lo = min(c0 + i * shard, self.out.numel())
-                digits_mean_(self.out[lo : min(lo + shard, self.out.numel())], block, k)
-        else:
-            # 3) inter-node scatter-gather of the node bits: my sub-shard's k votes, re-quantized once
-            sub = shard // k
-            mine = self.wire.sync("all_to_all", node_bits, "inter")
-            if k > 1:
-                mine = self._requantize(mine.view(k, -1), c0 + j * shard + g * sub, STAGE_INTER_SHARD, 0)
-            shard_bits = self.wire.sync("all_gather", mine, "inter")
-            # 4) intra-node all-gather of the +-1 shard results
-            self._write(c0, c1, self.wire.sync("all_gather", shard_bits, "intra").view(1, -1))
+    def run(self, after: torch.futures.Future | None = None):
+        """Wait for ``after`` (re-raising its failure), then the whole job, synchronously."""
+        try:
+            if after is not None:
+                after.wait()
+            recv, work = self.start()
+            work.wait()
+        except BaseException:
+            self._release()
+            raise
+        return self.finish(recv)
 
 
 # Calls on one Topology run their collectives in call order, on every rank: a pending async call's
 # successor starts only when it has finished. (On gloo, callbacks run on the backend's threads; two
-# pipelines interleaving their collectives in different orders on different ranks would mix them up.)
+# jobs interleaving their collectives in different orders on different ranks would mix them up.)
 class _Queue:
     __slots__ = ("lock", "tail")
 
@@ -337,30 +336,143 @@ def _settled(fut: torch.futures.Future) -> None:
     fut.wait()  # propagate a failure to the next call in the queue
 
 
-def _as_keys(generator, numel: int) -> BitKeys:
-    if isinstance(generator, BitKeys):
-        if generator.numel != numel:
-            raise ValueError(f"generator (BitKeys) describes {generator.numel} elements but u has {numel}")
-        return generator
-    if generator is None:
+def launch_in_order(topology: Topology, job: Job, *, async_op: bool = True):
+    """Run ``job`` after every earlier call on ``topology``; a Future of its result (``async_op``) or the result."""
+    queue = _queue(topology)
+    if not async_op:
+        with queue.lock:
+            tail = queue.tail
+        return job.run(tail if tail is not None and not tail.done() else None)
+    with queue.lock:
+        tail = queue.tail
+        if tail is None or tail.done():
+            recv, work = job.start()
+            fut = work.get_future().then(lambda f: (f.wait(), job.finish(recv))[1])
+        else:
+            fut = tail.then(job.run)
+        queue.tail = fut.then(_settled)  # the queue keeps a marker, not the result
+    return fut
+
+
+# ------------------------------------------------------------------------------------ the 1-bit all-reduce
+def _count_planes(rows: torch.Tensor) -> torch.Tensor:
+    """The vote counts of ``m`` packed rows ``(m, P)``, as ``m.bit_length()`` packed binary digits ``(B, P)``.
+
+    A bit-sliced ripple-carry adder on the packed bytes: about ``2·m·log2(m)`` byte ops on ``P = numel/8``
+    bytes; nothing is unpacked.
+    """
+    m = rows.shape[0]
+    if m == 1:
+        return rows
+    planes = rows.new_zeros(m.bit_length(), rows.shape[1])
+    for i, row in enumerate(rows):
+        carry = row
+        for j in range((i + 1).bit_length()):  # after i+1 rows the count fits in that many bits
+            nxt = planes[j] & carry
+            planes[j] ^= carry
+            carry = nxt
+    return planes
+
+
+class _Plan:
+    """One ``onebit_all_reduce`` call: this rank's packed votes and where ``d`` goes, chunk by chunk."""
+
+    def __init__(self, topo: Topology, method: str, inter_method: str, keys: BitKeys, packed, out):
+        self.topo, self.method, self.inter_method = topo, method, inter_method
+        self.keys, self.packed, self.out = keys, packed, out
+
+    def start(self, wire: Wire, c0: int, c1: int):
+        """Stage 1 of elements ``[c0, c1)``: the exchange of this rank's votes."""
+        send = self.packed[c0 // 8 : c1 // 8]
+        if self.method == "allgather":
+            return wire.all_gather(send, "world")
+        return wire.all_to_all(send, "world" if self.method == "scatter_gather" else "intra")
+
+    def finish(self, wire: Wire, c0: int, c1: int, recv: torch.Tensor) -> None:
+        """The stages after the first, for elements ``[c0, c1)``."""
+        if self.method == "allgather":
+            self._write(c0, c1, recv.view(self.topo.world_size, -1))
+        elif self.method == "scatter_gather":
+            self._finish_scatter_gather(wire, c0, c1, recv)
+        else:
+            self._finish_hierarchical(wire, c0, c1, recv)
+
+    def _write(self, c0: int, c1: int, rows: torch.Tensor) -> None:
+        # the exact mean of the votes in rows (m, P) for elements [c0, c1) (m = 1: the +-1 bits themselves)
+        votes_mean_(self.out[c0 : min(c1, self.out.numel())], rows)
+
+    def _write_counts(self, wire, c0: int, shard: int, planes: torch.Tensor, m: int) -> None:
+        # every local rank holds the vote counts (of m votes) of its shard as binary digits: gather them inside
+        # the node, and write each shard's exact mean (local rank i's shard: elements c0 + i·shard ...)
+        lws = self.topo.local_world_size
+        full = wire.all_gather_sync(planes.reshape(-1), "intra").view(lws, planes.shape[0], -1)
+        for i, block in enumerate(full):
+            lo = min(c0 + i * shard, self.out.numel())
+            digits_mean_(self.out[lo : min(lo + shard, self.out.numel())], block, m)
+
+    def _finish_scatter_gather(self, wire, c0, c1, recv):
+        n, r = self.topo.world_size, self.topo.rank
+        shard = (c1 - c0) // n
+        # average the n votes of my shard, re-quantize it (one draw, made on this rank only), share the bits
+        bits = self.keys.requantize_pack(recv.view(n, -1), c0 + r * shard, STAGE_SHARD, 0) if n > 1 else recv
+        self._write(c0, c1, wire.all_gather_sync(bits, "world").view(1, -1))
+
+    def _finish_hierarchical(self, wire, c0, c1, recv):
+        t = self.topo
+        lws, k, j, g = t.local_world_size, t.num_nodes, t.local_rank, t.node_rank
+        shard = (c1 - c0) // lws
+        if k == 1:
+            # one node: nothing crosses nodes, so keep the exact mean of the L votes (no re-quantization, which
+            # would double the variance of d); share it inside the node as its vote counts' binary digits
+            self._write_counts(wire, c0, shard, _count_planes(recv.view(lws, -1)), lws)
+            return
+        # 1-2) node mean of my node shard from the L votes, re-quantized to 1 bit by this rank only
+        # (with L == 1 the vote is already +-1 and re-quantizing it would return the same bit)
+        node_bits = recv if lws == 1 else self.keys.requantize_pack(recv.view(lws, -1), c0 + j * shard, STAGE_NODE, g)
+        if self.inter_method == "allgather":
+            # 3) every rank of my column gets all k node bits of the shard: their exact mean, no draw
+            gathered = wire.all_gather_sync(node_bits, "inter").view(k, -1)
+            # 4) share that mean inside the node as its vote counts: bit_length(k) packed bits per element
+            self._write_counts(wire, c0, shard, _count_planes(gathered), k)
+        else:
+            # 3) inter-node scatter-gather of the node bits: my sub-shard's k votes, re-quantized once
+            sub = shard // k
+            mine = wire.all_to_all_sync(node_bits, "inter")
+            if k > 1:
+                mine = self.keys.requantize_pack(mine.view(k, -1), c0 + j * shard + g * sub, STAGE_INTER_SHARD, 0)
+            shard_bits = wire.all_gather_sync(mine, "inter")
+            # 4) intra-node all-gather of the +-1 shard results
+            self._write(c0, c1, wire.all_gather_sync(shard_bits, "intra").view(1, -1))
+
+
+def _as_keys(keys, numel: int) -> BitKeys:
+    if isinstance(keys, BitKeys):
+        if keys.numel != numel:
+            raise ValueError(f"keys (BitKeys) describe {keys.numel} elements but u has {numel}")
+        return keys
+    if keys is None:
         # drawn per rank; every draw other ranks depend on is made on one rank and shared as bits
-        generator = int(torch.randint(0, 1 << 62, (1,), dtype=torch.int64))
-    if isinstance(generator, bool) or not isinstance(generator, numbers.Integral):
-        raise TypeError(f"generator must be a quantize.BitKeys, an int seed or None, got {type(generator).__name__}")
-    return BitKeys.single(int(generator), 0, numel)
+        keys = int(torch.randint(0, 1 << 62, (1,), dtype=torch.int64))
+    if isinstance(keys, bool) or not isinstance(keys, numbers.Integral):
+        raise TypeError(f"keys must be a quantize.BitKeys, an int seed or None, got {type(keys).__name__}")
+    return BitKeys.single(int(keys), 0, numel)
+
+
+_UNSET = object()
 
 
 def onebit_all_reduce(
     u: torch.Tensor,
     *,
     topology: Topology | None = None,
-    method: str = "allgather",
-    inter_method: str = "allgather",
-    generator: BitKeys | int | None = None,
+    method: str = DEFAULT_METHOD,
+    inter_method: str = DEFAULT_INTER_METHOD,
+    keys: BitKeys | int | None = None,
     async_op: bool = False,
     chunk_numel: int | None = None,
     stats: CommStats | None = None,
     out: torch.Tensor | None = None,
+    generator=_UNSET,
 ):
     """Binary-randomize each rank's ``u`` to 1 bit and all-reduce the bits to their mean.
 
@@ -373,15 +485,15 @@ def onebit_all_reduce(
             (``Topology.flat(dedicated=False)``: nothing is built per call). Async calls that may overlap
             must share one ``Topology``: calls on it run in call order; a dedicated one (any constructor's
             default) also keeps them apart from other collectives, such as DDP's own.
-        method (`str`, *optional*, defaults to `"allgather"`): ``"allgather"`` (``d`` = exact mean of the
+        method (`str`, *optional*, defaults to `"hierarchical"`): ``"allgather"`` (``d`` = exact mean of the
             n votes, multiples of ``1/n``), ``"scatter_gather"`` (``d`` in ``{-1, +1}``) or
             ``"hierarchical"`` (intra-node exact vote exchange, 1 bit across nodes).
         inter_method (`str`, *optional*, defaults to `"allgather"`): hierarchical only: the inter-node
             exchange; ``"allgather"`` gives ``d`` = exact mean of the k node bits, ``"scatter_gather"``
             ``d`` in ``{-1, +1}`` (less inter-node traffic when k > 2).
-        generator (`BitKeys`, `int` or `None`): the keys of every draw (per-parameter segments keep the
+        keys (`BitKeys`, `int` or `None`): the keys of every draw (per-parameter segments keep the
             bits independent of bucket layout); an int is ``BitKeys.single(seed, 0, u.numel())``; ``None``
-            draws a seed from torch's default generator.
+            draws a seed from torch's default generator. (``generator=`` is its deprecated old name.)
         async_op (`bool`): return a ``torch.futures.Future`` whose value is ``d`` (usable from a DDP
             communication hook) instead of ``d``.
         chunk_numel (`int`, *optional*): elements per round, rounded down to a multiple of ``8·n``
@@ -398,8 +510,17 @@ def onebit_all_reduce(
 
     Example::
 
-        >>> d = onebit_all_reduce(u, topology=Topology.from_layout(2, 2), method="hierarchical", generator=7)
+        >>> d = onebit_all_reduce(u, topology=Topology.from_layout(2, 2), method="hierarchical", keys=7)
     """
+    if generator is not _UNSET:
+        import warnings
+
+        warnings.warn(
+            "onebit_all_reduce(generator=...) is renamed keys=...; generator= goes away in the next release.",
+            FutureWarning,
+            stacklevel=2,
+        )
+        keys = generator
     _check_method(method, inter_method)
     if not isinstance(u, torch.Tensor) or not u.is_floating_point():
         raise TypeError(f"u must be a floating-point tensor (fp16/bf16/fp32/fp64), got {getattr(u, 'dtype', u)}")
@@ -409,7 +530,8 @@ def onebit_all_reduce(
     _check_device(topo.world_group, u.device)
     flat, shape = u.detach().reshape(-1), u.shape
     numel, n = flat.numel(), topo.world_size
-    keys = _as_keys(generator, numel)
+    method = _effective_method(method, topo.local_world_size, topo.num_nodes)
+    keys = _as_keys(keys, numel)
     if out is None:
         out = torch.empty(shape, dtype=u.dtype, device=u.device)
     elif out.dtype != u.dtype or out.device != u.device or out.numel() != numel or not out.is_contiguous():
@@ -420,7 +542,7 @@ def onebit_all_reduce(
     result, out = out, out.detach().view(-1)
     if stats is not None:
         stats.calls += 1
-        stats.fp32_allreduce_bytes += round(2 * (n - 1) * 4 * numel / n)
+        stats.fp32_allreduce_bytes += fp32_allreduce_bytes(numel, n)
 
     # quantize my votes once (so u may change after an async return); padding votes -1 (bit 0)
     align = _alignment(method, n, topo.local_world_size, topo.num_nodes, inter_method)
@@ -428,43 +550,25 @@ def onebit_all_reduce(
     packed = keys.quantize_pack(flat, 0, STAGE_WORKER, topo.rank) if numel else flat.new_empty(0, dtype=torch.uint8)
     if packed.numel() * 8 != padded:
         packed = torch.cat([packed, packed.new_zeros(padded // 8 - packed.numel())])
+    if not padded:
+        if not async_op:
+            return result
+        fut = torch.futures.Future(devices=[out.device] if out.device.type == "cuda" else None)
+        fut.set_result(result)
+        return fut
     step = padded if chunk_numel is None else max(align, int(chunk_numel) // align * align)
     chunks = [(c0, min(c0 + step, padded)) for c0 in range(0, padded, step)]
-    pipe = _Pipeline(topo, method, inter_method, keys, packed, out, _Wire(topo, stats))
+    plan = _Plan(topo, method, inter_method, keys, packed, out)
 
-    def run(chunks_left, first=None, after=None):
-        try:
-            if after is not None:
-                after.wait()  # re-raise a failed collective or predecessor
-            if first is not None:
-                pipe.finish(*chunks_left[0], first)
-                chunks_left = chunks_left[1:]
-            for c0, c1 in chunks_left:
-                recv, work = pipe.start(c0, c1)
-                work.wait()
-                pipe.finish(c0, c1, recv)
-        finally:
-            # Drop the process groups here: a callback's closure dies on the backend's thread, and
-            # if it held the last reference, the group's destructor would join that very thread.
-            pipe.topo = pipe.wire = None
+    def start(wire):
+        return plan.start(wire, *chunks[0])
+
+    def finish(wire, recv):
+        plan.finish(wire, *chunks[0], recv)
+        for c0, c1 in chunks[1:]:
+            more, work = plan.start(wire, c0, c1)
+            work.wait()
+            plan.finish(wire, c0, c1, more)
         return result
 
-    queue = _queue(topo)
-    if not async_op:
-        with queue.lock:
-            tail = queue.tail
-        if tail is not None and not tail.done():
-            tail.wait()
-        return run(chunks)
-    with queue.lock:
-        tail = queue.tail
-        if not chunks:
-            fut = torch.futures.Future(devices=[out.device] if out.device.type == "cuda" else None)
-            fut.set_result(result)
-        elif tail is None or tail.done():
-            recv, work = pipe.start(*chunks[0])
-            fut = work.get_future().then(lambda f: run(chunks, first=recv, after=f))
-        else:
-            fut = tail.then(lambda f: run(chunks, after=f))
-        queue.tail = fut.then(_settled)  # the queue keeps a marker, not d
-    return fut
+    return launch_in_order(topo, Job(Wire(topo, stats), start, finish), async_op=async_op)

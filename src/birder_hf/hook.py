@@ -3,12 +3,11 @@
 Paper: `Birder: Communication-Efficient 1-bit Adaptive Optimizer for Practical Distributed DNN
 Training` (Peng et al., NeurIPS 2023) - https://openreview.net/forum?id=Mlo2kM11ZB
 
-The hook owns the communication, the optimizer owns the state. For every bucket DDP hands over, the
-hook updates ``m`` and ``b`` of the bucket's parameters (found through ``bucket.parameters()``, so
-DDP's bucket rebuild after the first iteration cannot scramble them), computes ``u = m / b``, starts
-``onebit_all_reduce`` asynchronously (overlapping the rest of backward) and returns a Future of the
-direction ``d``, which DDP writes into ``.grad``. ``Birder.step()`` then applies
-``x <- x - lr * (d + wd * x)``.
+The hook is Birder's communicator under DDP (``birder_hf.base``): for every bucket DDP hands over, it encodes
+``m``, ``b`` and ``u = m / b`` of the bucket's parameters (found through ``bucket.parameters()``, so DDP's
+bucket rebuild after the first iteration cannot scramble them), starts ``onebit_all_reduce`` asynchronously
+(overlapping the rest of backward) and returns a Future of the direction ``d``, which DDP writes into
+``.grad``. ``Birder.step()`` then applies ``x <- x - lr * (d + wd * x)``.
 
 Non-finite gradients: the new ``m`` and ``b`` are written to second buffers and committed in
 ``optimizer.step()`` only after all ranks agreed (one tiny all-reduce of a flag per step) that every
@@ -23,33 +22,38 @@ Usage::
     state = BirderHookState(opt, topology=Topology.from_env(), method="hierarchical")
     model.register_comm_hook(state, birder_hook)
 
+or ``attach_ddp_hook(model, opt)``, which also picks 1-bit Adam's hook for a ``OneBitAdam``.
+
 Gradient accumulation: use ``model.no_sync()`` (or ``accelerator.accumulate``) for the micro-batches
 before the last; the hook then sees the accumulated local gradient once per step.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
-import warnings
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from .collectives import METHODS, CommStats, onebit_all_reduce
-from .optim import Birder, _single_tensor_encode
-from .quantize import BitKeys
+from .base import Update, unwrap_optimizer
+from .collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, _check_method, onebit_all_reduce
+from .communicators import HookState
+from .onebit_adam import OneBitAdam, OneBitAdamHookState, onebit_adam_hook
+from .optim import Birder, EncodeOut, StateBuffers
 from .topology import Topology
 
-__all__ = ["BirderHookState", "birder_hook"]
+__all__ = ["BirderHookState", "birder_hook", "attach_ddp_hook", "unwrap_ddp"]
 
 
-class BirderHookState:
+class BirderHookState(HookState):
     """State of :func:`birder_hook`: the optimizer, the topology and the communication settings.
 
     Args:
-        optimizer (`Birder`): the optimizer whose parameters the DDP model holds. Its ``step()``
-            switches to "apply d" mode; one hook state per optimizer.
+        optimizer (`Birder`): the optimizer whose parameters the DDP model holds; it becomes the
+            optimizer's communicator (one hook state per optimizer).
         topology (`Topology`, *optional*): defaults to ``Topology.flat()`` (all ranks one node).
-        method (`str`, *optional*, defaults to `"allgather"`): ``"allgather"``, ``"scatter_gather"``
-            or ``"hierarchical"`` (see ``onebit_all_reduce``).
+        method (`str`, *optional*, defaults to `"hierarchical"`): ``"allgather"``, ``"scatter_gather"``
+            or ``"hierarchical"`` (see ``onebit_all_reduce``; on one node, hierarchical gives the exact
+            vote mean).
         inter_method (`str`, *optional*, defaults to `"allgather"`): the inter-node exchange of
             ``"hierarchical"``.
         chunk_numel (`int`, *optional*): bound on the elements per collective (receive buffers).
@@ -57,106 +61,60 @@ class BirderHookState:
             has a non-finite gradient (costs one tiny all-reduce and a host sync per step).
     """
 
-    __slots__ = (
-        # settings
-        "optimizer",
-        "topology",
-        "method",
-        "inter_method",
-        "chunk_numel",
-        "check_finite",
-        # per-step buffers
-        "_pending",
-        "_scratch",
-        "_flags",
-        "_seen_params",
-        # statistics
-        "stats",
-        "steps_communicated",
-        "skipped_steps",
-    )
+    optimizer_class = Birder
+    hook_name = "birder_hook"
+
+    __slots__ = ("method", "inter_method", "chunk_numel", "_scratch")
 
     def __init__(
         self,
         optimizer: Birder,
         topology: Topology | None = None,
-        method: str = "allgather",
+        method: str = DEFAULT_METHOD,
         *,
-        inter_method: str = "allgather",
+        inter_method: str = DEFAULT_INTER_METHOD,
         chunk_numel: int | None = None,
         check_finite: bool = True,
     ):
-        if not isinstance(optimizer, Birder):
-            raise TypeError(f"BirderHookState needs a birder_hf.Birder optimizer, got {type(optimizer).__name__}.")
-        if optimizer._hook_state is not None:
-            raise ValueError(
-                "This Birder optimizer already has a hook state (the hook was registered before); "
-                "register birder_hook once per model and optimizer."
-            )
-        if method not in METHODS:
-            raise ValueError(f"Unknown method {method!r}; choose one of {sorted(METHODS)}.")
-        if not all(g["quantize"] for g in optimizer.param_groups):
+        _check_method(method, inter_method)
+        if isinstance(optimizer, Birder) and not all(g["quantize"] for g in optimizer.param_groups):
             raise ValueError("quantize=False is for one process only; the DDP hook always sends 1 bit.")
-        if optimizer._topology is not None:
-            raise ValueError("Birder was given a process_group/topology; with the DDP hook pass it to the hook state.")
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("birder_hook needs torch.distributed to be initialized (init_process_group).")
-        self.optimizer = optimizer
-        self.topology = topology if topology is not None else Topology.flat()
-        self.method, self.inter_method = method, inter_method
-        self.chunk_numel, self.check_finite = chunk_numel, check_finite
-        self._pending: dict[torch.Tensor, tuple] = {}  # param -> (state, new m, new b, new max b)
-        self._scratch: dict[torch.Tensor, tuple] = {}  # param -> the buffers the next step writes into
-        self._flags: list[torch.Tensor] = []
-        self._seen_params: set[torch.Tensor] = set()
-        self.stats = CommStats()
-        self.steps_communicated = 0
-        self.skipped_steps = 0
-        optimizer._hook_state = self  # explicit: step() now applies the d the hook produced
+        self.method, self.inter_method, self.chunk_numel = method, inter_method, chunk_numel
+        self._scratch: dict[torch.Tensor, StateBuffers] = {}  # param -> the buffers its next step writes into
+        super().__init__(optimizer, topology, check_finite=check_finite)
 
-    def __getstate__(self):
-        raise TypeError(
-            "BirderHookState holds process groups and is not saved; save the optimizer with "
-            "birder_hf.checkpoint instead and create a new hook state after loading."
-        )
+    @property
+    def description(self) -> str:
+        return f"1-bit {self.method} hook"
 
-    def _buffers(self, p: torch.Tensor, state: dict, amsgrad: bool):
+    def _buffers(self, p: torch.Tensor, state: dict, amsgrad: bool) -> StateBuffers:
         bufs = self._scratch.get(p)
-        if bufs is None or bufs[0].shape != state["exp_avg"].shape:
+        if bufs is None or bufs.exp_avg.shape != state["exp_avg"].shape:
             m = torch.empty_like(state["exp_avg"])
-            bufs = (m, torch.empty_like(m), torch.empty_like(m) if amsgrad else None)
+            bufs = StateBuffers(m, torch.empty_like(m), torch.empty_like(m) if amsgrad else None)
             self._scratch[p] = bufs
         return bufs
 
-    def _finish_step(self) -> bool:
-        """Called by ``Birder.step()``: agree on finiteness, then commit or drop the new m and b."""
-        pending, flags = self._pending, self._flags
-        self._pending, self._flags = {}, []
-        ok = True
-        if self.check_finite and pending:
-            dev = next(iter(pending.values()))[1].device
-            bad = torch.stack(flags).any().to(torch.float32).reshape(1) if flags else torch.zeros(1, device=dev)
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.topology.world_group)
-            ok = bad.item() == 0.0
-        if not ok:
-            self.skipped_steps += 1
-            self._seen_params.clear()
-            warnings.warn(
-                "Birder: a rank had a non-finite gradient; every rank skipped this step.", RuntimeWarning, stacklevel=3
-            )
-            return False
-        for p, (state, m, b, bmax) in pending.items():
-            if p.grad is None:  # unused everywhere: DDP left .grad unset; skip as the no-hook path does
-                continue
-            # swap: the committed buffers become next step's scratch
-            self._scratch[p] = (state["exp_avg"], state["exp_avg_abs"], state.get("max_exp_avg_abs"))
-            state["exp_avg"], state["exp_avg_abs"] = m, b
-            if bmax is not None:
-                state["max_exp_avg_abs"] = bmax
-            state["step"] += 1
-        if pending:
-            self.steps_communicated += 1
-        return True
+    def finish_step(self) -> list[Update] | None:
+        """Agree the step is finite, commit the staged ``m``, ``b``, and hand ``d`` (in ``.grad``) to ``step()``."""
+        pending = super().finish_step()
+        if pending is None:
+            return None
+        opt, updates = self.optimizer, []
+        for group in opt.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:  # the committed buffers become the next step's scratch
+                self._scratch[p] = opt.commit_state(p, pending[p].record)
+            if params:
+                updates.append(Update(group, params, [p.grad for p in params]))
+        return updates
+
+
+class _GroupWork(NamedTuple):
+    group: dict
+    params: list
+    grads: list
+    us: list
 
 
 def birder_hook(state: BirderHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -167,68 +125,99 @@ def birder_hook(state: BirderHookState, bucket: dist.GradBucket) -> torch.future
     """
     opt = state.optimizer
     buffer = bucket.buffer()
-    params, grads = bucket.parameters(), bucket.gradients()
+    items = state._begin_bucket(bucket)
     u_dtype = torch.float64 if buffer.dtype == torch.float64 else torch.float32
     u_flat = torch.empty(buffer.numel(), dtype=u_dtype, device=buffer.device)
-    if state.check_finite:
-        # min and max propagate NaN and hold +-inf: one reduction pass, 12x cheaper than isfinite(buffer).all()
-        state._flags.append(~torch.isfinite(torch.stack(torch.aminmax(buffer))).all())
 
-    by_group: dict[int, list] = {}
-    ids, sizes, steps, offset = [], [], [], 0
-    for p, g in zip(params, grads):
-        group = opt.group_of(p)
-        if group is None:
-            raise RuntimeError(
-                f"A DDP parameter of shape {tuple(p.shape)} is not in the Birder optimizer; every parameter "
-                "that gets gradients must be optimized by the Birder instance the hook state was built with."
-            )
-        if p in state._pending:
-            raise RuntimeError(
-                "birder_hook saw the same parameter twice before optimizer.step(): for gradient accumulation "
-                "wrap the micro-batches before the last in model.no_sync() (or use accelerator.accumulate)."
-            )
-        st = opt._init_state(p, group["amsgrad"])
-        n = p.numel()
-        by_group.setdefault(id(group), [group, [], [], [], []])
-        entry = by_group[id(group)]
-        entry[1].append((p, st))
-        entry[2].append(g.reshape(p.shape))
-        entry[3].append(u_flat[offset : offset + n].view(p.shape))
-        ids.append(opt.param_index(p))
-        sizes.append(n)
+    by_group: dict[int, _GroupWork] = {}
+    params, steps, offset = [], [], 0
+    for p, g, group in items:
+        st = opt.init_state(p, group)
+        work = by_group.setdefault(id(group), _GroupWork(group, [], [], []))
+        work.params.append(p)
+        work.grads.append(g.reshape(p.shape))
+        work.us.append(u_flat[offset : offset + p.numel()].view(p.shape))
+        params.append(p)
         steps.append(int(st["step"]) + 1)
-        offset += n
+        offset += p.numel()
 
-    for group, pst, gs, us, _ in by_group.values():
+    for group, ps, gs, us in by_group.values():
+        bufs = [state._buffers(p, opt.state[p], group["amsgrad"]) for p in ps]
         amsgrad = group["amsgrad"]
-        bufs = [state._buffers(p, st, amsgrad) for p, st in pst]
-        out = ([b[0] for b in bufs], [b[1] for b in bufs], [b[2] for b in bufs])
-        _single_tensor_encode(
-            gs,
-            [st["exp_avg"] for _, st in pst],
-            [st["exp_avg_abs"] for _, st in pst],
-            [st["max_exp_avg_abs"] for _, st in pst] if amsgrad else None,
-            beta=group["beta"],
-            maximize=group["maximize"],
-            out=out,
-            u_out=us,
+        staged = EncodeOut(
+            [b.exp_avg for b in bufs], [b.exp_avg_abs for b in bufs], [b.max_exp_avg_abs for b in bufs], us
         )
-        for (p, st), b in zip(pst, bufs):
-            state._pending[p] = (st, *b)
-            state._seen_params.add(p)
+        opt.encode(group, ps, gs, out=staged if amsgrad else staged._replace(max_exp_avg_abss=None))
+        for p, b in zip(ps, bufs):
+            state._stage(p, group, b)
 
-    keys = BitKeys(opt.seed, steps, ids, sizes)
     fut = onebit_all_reduce(
         u_flat,
         topology=state.topology,
         method=state.method,
         inter_method=state.inter_method,
-        generator=keys,
+        keys=opt.bit_keys(params, steps),
         async_op=True,
         chunk_numel=state.chunk_numel,
-        stats=state.stats,
+        stats=state._step_stats,
+        out=u_flat,
     )
     if buffer.dtype == u_dtype:
         return fut
     return fut.then(lambda f: f.value().to(buffer.dtype))
+
+
+# ------------------------------------------------------------------------------------------- helpers
+def unwrap_ddp(model) -> torch.nn.parallel.DistributedDataParallel:
+    """The ``DistributedDataParallel`` module inside ``model`` (a ``torch.compile``-d model keeps it in ``_orig_mod``).
+
+    Raises ``TypeError`` if there is none.
+    """
+    inner = model
+    for _ in range(4):
+        if isinstance(inner, torch.nn.parallel.DistributedDataParallel):
+            return inner
+        inner = getattr(inner, "_orig_mod", None)
+        if inner is None:
+            break
+    raise TypeError(
+        f"Expected a DistributedDataParallel model (or a torch.compile-d one), got {type(model).__name__}: the 1-bit "
+        "hook needs DDP (accelerate's prepare() and the Trainer wrap the model in DDP when several processes run)."
+    )
+
+
+def attach_ddp_hook(
+    model,
+    optimizer,
+    *,
+    topology: Topology | None = None,
+    method: str = DEFAULT_METHOD,
+    inter_method: str = DEFAULT_INTER_METHOD,
+    chunk_numel: int | None = None,
+    check_finite: bool = True,
+):
+    """Register the 1-bit hook of ``optimizer`` on the DDP ``model``: ``birder_hook`` for a ``Birder``,
+    ``onebit_adam_hook`` for a ``OneBitAdam`` (1-bit Adam has one exchange: ``method``, ``inter_method`` and
+    ``chunk_numel`` apply to Birder only; they are validated either way). Returns the hook state.
+
+    ``model`` may be ``torch.compile``-d; ``optimizer`` may be wrapped (accelerate, Lightning). If DDP refuses
+    the hook (one is registered already), the optimizer is left as it was.
+    """
+    _check_method(method, inter_method)
+    ddp = unwrap_ddp(model)
+    opt = unwrap_optimizer(optimizer)
+    if isinstance(opt, OneBitAdam):
+        state, hook = OneBitAdamHookState(opt, topology=topology, check_finite=check_finite), onebit_adam_hook
+    elif isinstance(opt, Birder):
+        state = BirderHookState(
+            opt, topology, method, inter_method=inter_method, chunk_numel=chunk_numel, check_finite=check_finite
+        )
+        hook = birder_hook
+    else:
+        raise TypeError(f"The 1-bit hook needs a birder_hf.Birder or OneBitAdam optimizer, got {type(opt).__name__}.")
+    try:
+        ddp.register_comm_hook(state, hook)
+    except BaseException:
+        state.detach()  # DDP refused (a hook is already registered): leave the optimizer as it was
+        raise
+    return state

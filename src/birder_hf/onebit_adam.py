@@ -17,14 +17,15 @@ Deviations from DeepSpeed (``docs/ONEBIT_ADAM.md``):
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
 import math
 import warnings
-from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.optim.optimizer import Optimizer
 
-from .checkpoint import RankLocalState, state_dtype
-from .collectives import CommStats, _queue, _settled, _Wire
+from .base import OneBitOptimizer, state_dtype
+from .collectives import Job, Wire, fp32_allreduce_bytes, launch_in_order
+from .communicators import HookState
 from .quantize import pack_bits, unpack_bits
 from .topology import Topology
 
@@ -33,7 +34,7 @@ __all__ = ["OneBitAdam", "OneBitAdamHookState", "onebit_adam_hook", "compress_wi
 SCALINGS = ("l2", "l1")
 
 
-class OneBitAdam(RankLocalState, Optimizer):
+class OneBitAdam(OneBitOptimizer):
     r"""1-bit Adam (Tang et al., ICML 2021): Adam during warm-up, then 1-bit compressed momentum.
 
     Step :math:`t` of rank :math:`r` of :math:`n`, local gradient :math:`g^r_t`, :math:`T` = ``freeze_step``:
@@ -52,8 +53,9 @@ class OneBitAdam(RankLocalState, Optimizer):
     \sqrt{d}` (DeepSpeed's, ``scaling="l2"``) or :math:`\|z\|_1 / d` (``"l1"``, the least-squares
     scale). The chunks are the :math:`n` shards of each parameter (``shard_layout``).
 
-    Under DDP, :func:`onebit_adam_hook` does the communication during backward (a full-precision
-    average while :math:`t \le T`, then the two-stage 1-bit exchange) and ``step()`` applies the update.
+    Under DDP, :func:`onebit_adam_hook` (its communicator, ``birder_hf.base``) does the communication during
+    backward (a full-precision average while :math:`t \le T`, then the two-stage 1-bit exchange) and ``step()``
+    applies the update.
     In one process ``step()`` does it all (with :math:`n = 1`, still compressing after the freeze).
 
     State per parameter: ``"step"``, ``"exp_avg"`` (:math:`m`, identical on every rank), ``"exp_avg_sq"``
@@ -77,9 +79,11 @@ class OneBitAdam(RankLocalState, Optimizer):
     Example::
 
         >>> model = torch.nn.Linear(4, 2)
-        >>> opt = OneBitAdam(model.parameters(), lr=1e-3, freeze_step=100)
-        >>> model(torch.randn(8, 4)).square().mean().backward()
-        >>> opt.step()
+        >>> opt = OneBitAdam(model.parameters(), lr=1e-3, freeze_step=2)  # 2 Adam steps, then 1-bit momentum
+        >>> for _ in range(3):
+        ...     model(torch.randn(8, 4)).square().mean().backward()
+        ...     opt.step()
+        ...     opt.zero_grad()
     """
 
     def __init__(
@@ -105,17 +109,14 @@ class OneBitAdam(RankLocalState, Optimizer):
         )
         _validate(defaults)
         super().__init__(params, defaults)
-        self._hook_state = None  # set by OneBitAdamHookState: DDP's hook then owns the communication
 
     def add_param_group(self, param_group: dict) -> None:
         _validate({k: v for k, v in param_group.items() if k != "params"})
         super().add_param_group(param_group)
 
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        self.__dict__.setdefault("_hook_state", None)
-
-    def _init_state(self, p: torch.Tensor) -> dict:
+    # --------------------------------------------------------------------- protocol for communicators
+    def init_state(self, p: torch.Tensor, group: dict | None = None) -> dict:
+        """The state of ``p`` (created on first use: ``step`` 0, zero ``m`` and ``v``, at least float32)."""
         state = self.state[p]
         if len(state) == 0:
             if p.is_complex() or not p.is_floating_point():
@@ -126,10 +127,13 @@ class OneBitAdam(RankLocalState, Optimizer):
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
         return state
 
-    @staticmethod
-    def _error_buffers(p: torch.Tensor, state: dict, rank: int, world: int) -> None:
-        # Created at the first compressed step (warm-up costs what Adam costs). The server error is this
-        # rank's shard of the parameter; a state saved under another layout cannot be re-sharded.
+    def init_error_buffers(self, p: torch.Tensor, rank: int, world: int) -> dict:
+        """Create ``p``'s error buffers at its first compressed step (warm-up costs what Adam costs).
+
+        The server error is this rank's shard of the parameter; a state saved under another layout cannot be
+        re-sharded, so it restarts from zero (with a warning).
+        """
+        state = self.state[p]
         if "worker_error" not in state:
             state["worker_error"] = torch.zeros_like(state["exp_avg"])
         if state.get("server_shard") != (rank, world):
@@ -144,60 +148,46 @@ class OneBitAdam(RankLocalState, Optimizer):
             _, lens = shard_layout(p.numel(), world)
             state["server_error"] = state["exp_avg"].new_zeros(lens[rank])
             state["server_shard"] = (rank, world)
+        return state
 
-    @torch.no_grad()
-    def step(self, closure: Callable | None = None):
-        """One step: warm-up AdamW, or the update with the synchronized momentum (class docstring)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if self._hook_state is not None:
-            self._step_with_hook()
-            return loss
-        _warn_if_ddp_without_hook()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("OneBitAdam does not support sparse gradients.")
-                st = self._init_state(p)
-                if int(st["step"]) < group["freeze_step"]:
-                    _adam_update(p, st, group, grad=p.grad)
+    def compressing(self, p: torch.Tensor, group: dict) -> bool:
+        """Whether ``p``'s next step is past the warm-up (its momentum is then sent in 1 bit)."""
+        return int(self.init_state(p, group)["step"]) >= group["freeze_step"]
+
+    # ------------------------------------------------------------------------------------------- step
+    def _step_alone(self) -> None:
+        for group, params, grads in self.gradients():
+            for p, grad in zip(params, grads):
+                st = self.init_state(p, group)
+                if not self.compressing(p, group):
+                    _adam_update(p, st, group, grad=grad)
                     continue
                 # one process: the same compression with n = 1 (worker, then server, error feedback)
-                self._error_buffers(p, st, 0, 1)
-                x = _local_momentum(st, p.grad, group)
+                self.init_error_buffers(p, 0, 1)
+                x = _local_momentum(st, grad, group)
                 signs, scales, ew = compress_with_feedback(x, 1, group["scaling"])
                 bits, scale, es = _server_compress(signs, scales, st["server_error"], group["scaling"])
                 st["worker_error"], st["server_error"] = ew.view_as(p), es
                 st["exp_avg"] = _decompress(bits, scale, x.dtype).view_as(p)
                 _adam_update(p, st, group)
-        return loss
 
-    def _step_with_hook(self) -> None:
-        pending = self._hook_state._take()
-        for group in self.param_groups:
-            for p in group["params"]:
-                entry = pending.pop(p, None)
-                if entry is None:
-                    if p.grad is not None:
-                        raise RuntimeError(
-                            f"A parameter of shape {tuple(p.shape)} has a gradient but onebit_adam_hook did not see "
-                            "it: every parameter OneBitAdam optimizes must belong to the hooked DDP model."
-                        )
-                    continue
-                st = self.state[p]
-                if entry[0] == "warmup":
-                    # the averaged gradient; .grad may have been clipped or unscaled since (as with AdamW)
-                    _adam_update(p, st, group, grad=p.grad if p.grad is not None else entry[1])
-                    continue
-                ew, m_bar, es = entry[1]
-                if m_bar is None:
-                    raise RuntimeError("onebit_adam_hook's communication did not finish before optimizer.step().")
-                st["worker_error"], st["exp_avg"], st["server_error"] = ew, m_bar, es
-                _adam_update(p, st, group)
+    def _step_communicated(self, staged: dict | None) -> None:
+        if staged is None:
+            return  # a rank had a non-finite gradient: every rank skips the step
+        for p, (group, record) in staged.items():
+            st = self.state[p]
+            if isinstance(record, _Warmup):
+                # the averaged gradient; .grad may have been clipped or unscaled since (as with AdamW)
+                _adam_update(p, st, group, grad=p.grad if p.grad is not None else record.grad)
+                continue
+            if record.m_bar is None:
+                raise RuntimeError("onebit_adam_hook's communication did not finish before optimizer.step().")
+            st["worker_error"], st["exp_avg"], st["server_error"] = (
+                record.worker_error,
+                record.m_bar,
+                record.server_error,
+            )
+            _adam_update(p, st, group)
 
 
 def _validate(d: dict) -> None:
@@ -315,13 +305,26 @@ def _server_compress(signs: torch.Tensor, scales: torch.Tensor, error: torch.Ten
 
 
 # ---------------------------------------------------------------------------------------------- hook
-class OneBitAdamHookState:
+class _Warmup(NamedTuple):
+    grad: torch.Tensor  # a view of the bucket: averaged over the ranks in place
+
+
+@dataclass
+class _Compressed:
+    worker_error: torch.Tensor  # the new e^r
+    m_bar: torch.Tensor | None = None  # the synchronized momentum, once the exchange finished
+    server_error: torch.Tensor | None = None  # the new e_s of this rank's shard
+
+
+class OneBitAdamHookState(HookState):
     """State of :func:`onebit_adam_hook`: the optimizer, the topology and the traffic counters.
 
     Args:
         optimizer (`OneBitAdam`): the optimizer of the DDP model's parameters; one hook state each.
         topology (`Topology`, *optional*): its ``world_group`` carries the traffic; defaults to
             ``Topology.flat()`` (a dedicated copy of the default group, apart from DDP's own collectives).
+        check_finite (`bool`, *optional*, defaults to `True`): skip a step on every rank when any rank has a
+            non-finite gradient (``m``, ``v`` and the error buffers stay as they were).
 
     Attributes:
         stats (`CommStats`): bytes this rank sent, all steps (warm-up counted as a ring all-reduce).
@@ -329,115 +332,31 @@ class OneBitAdamHookState:
         warmup_steps, compressed_steps (`int`): steps the hook communicated in each phase.
     """
 
-    __slots__ = (
-        # settings
-        "optimizer",
-        "topology",
-        # per-step buffers
-        "_pending",
-        "_groups",
-        "_groups_of",
-        # statistics
-        "stats",
-        "last_step_stats",
-        "_step_stats",
-        "warmup_steps",
-        "compressed_steps",
-    )
+    optimizer_class = OneBitAdam
+    hook_name = "onebit_adam_hook"
 
-    def __init__(self, optimizer: OneBitAdam, topology: Topology | None = None):
-        if not isinstance(optimizer, OneBitAdam):
-            raise TypeError(f"OneBitAdamHookState needs a birder_hf OneBitAdam, got {type(optimizer).__name__}.")
-        if optimizer._hook_state is not None:
-            raise ValueError(
-                "This OneBitAdam optimizer already has a hook state; register onebit_adam_hook once per model."
-            )
-        if len({g["freeze_step"] for g in optimizer.param_groups}) > 1:
+    __slots__ = ("warmup_steps", "compressed_steps")
+
+    def __init__(self, optimizer: OneBitAdam, topology: Topology | None = None, *, check_finite: bool = True):
+        if isinstance(optimizer, OneBitAdam) and len({g["freeze_step"] for g in optimizer.param_groups}) > 1:
             raise ValueError(
                 "All param groups must share one freeze_step under onebit_adam_hook: a DDP bucket is either "
                 "averaged in full precision or compressed."
             )
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("onebit_adam_hook needs torch.distributed to be initialized (init_process_group).")
-        if topology is not None and not isinstance(topology, Topology):
-            raise TypeError(f"topology must be a birder_hf.Topology, got {type(topology).__name__}.")
-        self.optimizer = optimizer
-        self.topology = topology if topology is not None else Topology.flat()
-        self._pending: dict[torch.Tensor, tuple] = {}
-        self._groups, self._groups_of = {}, None
-        self.stats, self.last_step_stats, self._step_stats = CommStats(), CommStats(), CommStats()
         self.warmup_steps = self.compressed_steps = 0
-        optimizer._hook_state = self
+        super().__init__(optimizer, topology, check_finite=check_finite)
 
-    def __getstate__(self):
-        raise TypeError(
-            "OneBitAdamHookState holds process groups and is not saved; save the optimizer with "
-            "birder_hf.checkpoint.save_rank_state and create a new hook state after loading."
-        )
+    @property
+    def description(self) -> str:
+        return "1-bit Adam hook"
 
-    def _group(self, p: torch.Tensor):
-        # load_state_dict() replaces the param group dicts and add_param_group() adds some: re-map then
-        groups = self.optimizer.param_groups
-        if self._groups_of is not groups or p not in self._groups:
-            self._groups = {q: g for g in groups for q in g["params"]}
-            self._groups_of = groups
-        return self._groups.get(p)
-
-    def _take(self) -> dict:
-        """Called by ``step()``: hand over the hook's results and close the step's statistics."""
-        pending, self._pending = self._pending, {}
-        if pending:
-            phases = {entry[0] for entry in pending.values()}
-            self.warmup_steps += "warmup" in phases
-            self.compressed_steps += "compressed" in phases
-        done, self._step_stats = self._step_stats, CommStats()
-        for name in ("intra_node_bytes", "inter_node_bytes", "calls", "collectives", "fp32_allreduce_bytes"):
-            setattr(self.stats, name, getattr(self.stats, name) + getattr(done, name))
-        self.last_step_stats = done
-        return pending
-
-
-class _Pipeline:
-    """One bucket's collectives: ``start()`` launches the first, ``finish(recv)`` runs the rest."""
-
-    def __init__(self, wire: _Wire, start, finish):
-        self.wire, self._start, self._finish = wire, start, finish
-
-    def start(self):
-        return self._start(self.wire)
-
-    def finish(self, recv):
-        try:
-            return self._finish(self.wire, recv)
-        finally:
-            # drop the process groups here: a callback's closure dies on the backend's thread, and if
-            # it held the last reference, the group's destructor would join that very thread
-            self.wire = None
-
-    def run(self, after: torch.futures.Future):
-        try:
-            after.wait()  # re-raise a failed predecessor
-            recv, work = self.start()
-            work.wait()
-        except BaseException:
-            self.wire = None
-            raise
-        return self.finish(recv)
-
-
-def _launch(topology: Topology, pipe: _Pipeline) -> torch.futures.Future:
-    # Calls on one Topology run their collectives in call order on every rank (shared with
-    # birder_hf.collectives): a bucket's pipeline starts when the previous one has finished.
-    queue = _queue(topology)
-    with queue.lock:
-        tail = queue.tail
-        if tail is None or tail.done():
-            recv, work = pipe.start()
-            fut = work.get_future().then(lambda f: (f.wait(), pipe.finish(recv))[1])
-        else:
-            fut = tail.then(pipe.run)
-        queue.tail = fut.then(_settled)
-    return fut
+    def finish_step(self):
+        staged = super().finish_step()
+        if staged:
+            kinds = {type(s.record) for s in staged.values()}
+            self.warmup_steps += _Warmup in kinds
+            self.compressed_steps += _Compressed in kinds
+        return staged
 
 
 def onebit_adam_hook(state: OneBitAdamHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -456,23 +375,8 @@ def onebit_adam_hook(state: OneBitAdamHookState, bucket: dist.GradBucket) -> tor
     opt, topo = state.optimizer, state.topology
     n, rank = topo.world_size, topo.rank
     buffer = bucket.buffer()
-    params, grads = bucket.parameters(), bucket.gradients()
-    items, phases = [], set()
-    for p, g in zip(params, grads):
-        group = state._group(p)
-        if group is None:
-            raise RuntimeError(
-                f"A DDP parameter of shape {tuple(p.shape)} is not in the OneBitAdam optimizer; every parameter "
-                "that gets gradients must be optimized by the OneBitAdam instance the hook state was built with."
-            )
-        if p in state._pending:
-            raise RuntimeError(
-                "onebit_adam_hook saw the same parameter twice before optimizer.step(): for gradient accumulation "
-                "wrap the micro-batches before the last in model.no_sync() (or use accelerator.accumulate)."
-            )
-        st = opt._init_state(p)
-        phases.add(int(st["step"]) >= group["freeze_step"])
-        items.append((p, g, st, group))
+    items = state._begin_bucket(bucket)
+    phases = {opt.compressing(p, group) for p, _, group in items}
     if len(phases) > 1:
         raise RuntimeError(
             "A DDP bucket holds parameters in both phases (their step counts differ): every parameter of the model "
@@ -480,42 +384,35 @@ def onebit_adam_hook(state: OneBitAdamHookState, bucket: dist.GradBucket) -> tor
         )
     stats = state._step_stats
     stats.calls += 1
-    stats.fp32_allreduce_bytes += round(2 * (n - 1) * 4 * buffer.numel() / n)
+    stats.fp32_allreduce_bytes += fp32_allreduce_bytes(buffer.numel(), n)
 
     if not phases or not phases.pop():  # warm-up: average in full precision (allreduce_hook)
-        for p, g, *_ in items:
-            state._pending[p] = ("warmup", g)  # a view of the bucket: averaged in place below
-        if n > 1:  # ring all-reduce: 2(n-1)/n of the buffer, split over the peers
-            per_peer = 2 * buffer.numel() * buffer.element_size() / n
-            stats.intra_node_bytes += round((topo.local_world_size - 1) * per_peer)
-            stats.inter_node_bytes += round((n - topo.local_world_size) * per_peer)
-            stats.collectives += 1
+        for p, g, group in items:
+            state._stage(p, group, _Warmup(g))
 
         def start(wire):
             buffer.div_(n)
-            if n == 1:
-                return buffer, _DONE
-            return buffer, dist.all_reduce(buffer, group=wire.topo.world_group, async_op=True)
+            # a ring all-reduce sends 2(n-1)/n of the buffer, split over the peers
+            return wire.all_reduce_sum(buffer, "world", 2 * buffer.numel() * buffer.element_size() / n)
 
-        return _launch(topo, _Pipeline(_Wire(topo, stats), start, lambda wire, recv: recv))
+        return launch_in_order(topo, Job(Wire(topo, stats), start, lambda wire, recv: recv))
 
     # compressed: worker side, here on the autograd thread
     layout, records, signs_list, scales_list, col = [], [], [], [], 0
-    for p, g, st, group in items:
-        opt._error_buffers(p, st, rank, n)
+    for p, g, group in items:
+        st = opt.init_error_buffers(p, rank, n)
         signs, scales, ew = compress_with_feedback(_local_momentum(st, g, group), n, group["scaling"])
-        record = [ew.view_as(p), None, None]  # new worker error, m_bar, new server error
-        state._pending[p] = ("compressed", record)
+        record = _Compressed(ew.view_as(p))
+        state._stage(p, group, record)
         records.append(record)
         signs_list.append(signs)
         scales_list.append(scales)
-        # (first column in the shard rows, shard width, the bucket's view of the gradient, server error, ...)
-        layout.append((col, signs.shape[1], g, st["server_error"], group["scaling"], p.shape))
+        layout.append(_Segment(col, signs.shape[1], g, st["server_error"], group["scaling"], p.shape))
         col += signs.shape[1]
     nbytes = -(-col // 8)
     bits = torch.zeros(n, 8 * nbytes, dtype=torch.bool, device=buffer.device)
-    for (off, c, *_), signs in zip(layout, signs_list):
-        bits[:, off : off + c] = signs
+    for seg, signs in zip(layout, signs_list):
+        bits[:, seg.col : seg.col + seg.width] = signs
     send = _frame(bits, torch.stack(scales_list, dim=1))
 
     def start(wire):
@@ -526,22 +423,35 @@ def onebit_adam_hook(state: OneBitAdamHookState, bucket: dist.GradBucket) -> tor
         in_bits, in_scales = _unframe(recv.view(n, -1), nbytes)
         out_bits = torch.zeros(8 * nbytes, dtype=torch.bool, device=buffer.device)
         out_scales = []
-        for j, ((off, c, _, es, scaling, _), record) in enumerate(zip(layout, records)):
-            signs, scale, record[2] = _server_compress(in_bits[:, off : off + c], in_scales[:, j], es, scaling)
-            out_bits[off : off + es.numel()] = signs[0]
+        for j, (seg, record) in enumerate(zip(layout, records)):
+            cols = slice(seg.col, seg.col + seg.width)
+            signs, scale, record.server_error = _server_compress(
+                in_bits[:, cols], in_scales[:, j], seg.server_error, seg.scaling
+            )
+            out_bits[seg.col : seg.col + seg.server_error.numel()] = signs[0]
             out_scales.append(scale)
         mine = _frame(out_bits.view(1, -1), torch.cat(out_scales).view(1, -1))
         # everyone: the n owners' compressed shards make m_bar, bitwise the same on every rank
-        all_bits, all_scales = _unframe(wire.sync("all_gather", mine, "world").view(n, -1), nbytes)
-        for j, ((off, c, grad_view, es, _, shape), record) in enumerate(zip(layout, records)):
-            m_bar = _decompress(all_bits[:, off : off + c], all_scales[:, j], es.dtype).view(-1)[: grad_view.numel()]
-            record[1] = m_bar.view(shape)
+        all_bits, all_scales = _unframe(wire.all_gather_sync(mine, "world").view(n, -1), nbytes)
+        for j, (seg, record) in enumerate(zip(layout, records)):
+            cols = slice(seg.col, seg.col + seg.width)
+            m_bar = _decompress(all_bits[:, cols], all_scales[:, j], seg.server_error.dtype).view(-1)
+            record.m_bar = m_bar[: seg.grad.numel()].view(seg.shape)
             # the local gradients were consumed above: the bucket now carries m_bar (through the gradient
             # views, so that a channels_last parameter's .grad gets it in its own layout)
-            grad_view.copy_(record[1])
+            seg.grad.copy_(record.m_bar)
         return buffer
 
-    return _launch(topo, _Pipeline(_Wire(topo, stats), start, finish))
+    return launch_in_order(topo, Job(Wire(topo, stats), start, finish))
+
+
+class _Segment(NamedTuple):
+    col: int  # first column of this parameter in the bucket's shard rows
+    width: int  # its shard width
+    grad: torch.Tensor  # the bucket's view of its gradient
+    server_error: torch.Tensor  # this rank's shard's error buffer
+    scaling: str
+    shape: torch.Size
 
 
 def _frame(bits: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -554,34 +464,3 @@ def _unframe(rows: torch.Tensor, nbytes: int):
     bits = unpack_bits(rows[:, :nbytes].contiguous(), rows.shape[0] * 8 * nbytes).view(rows.shape[0], 8 * nbytes)
     # a fresh copy, not contiguous(): a one-row slice counts as contiguous at an offset a float view refuses
     return bits, rows[:, nbytes:].clone(memory_format=torch.contiguous_format).view(torch.float32)
-
-
-class _Done:
-    """The completed 'work' of a collective on a group of one rank."""
-
-    def wait(self) -> bool:
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        fut = torch.futures.Future()
-        fut.set_result(None)
-        return fut
-
-
-_DONE = _Done()
-_warned_no_hook = False
-
-
-def _warn_if_ddp_without_hook() -> None:
-    global _warned_no_hook
-    if _warned_no_hook:
-        return
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        _warned_no_hook = True
-        warnings.warn(
-            "OneBitAdam is running in a distributed job without its communication hook: DDP averages gradients "
-            "in full precision and each rank compresses on its own. Register the hook: "
-            "model.register_comm_hook(OneBitAdamHookState(optimizer), onebit_adam_hook).",
-            UserWarning,
-            stacklevel=3,
-        )

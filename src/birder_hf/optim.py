@@ -5,7 +5,7 @@ Training` (Peng et al., NeurIPS 2023) - https://openreview.net/forum?id=Mlo2kM11
 Official code: https://openi.pcl.ac.cn/c2net_optim/Birder
 
 Deviations from the paper (its full text and code were not available to us; ``docs/ALGORITHM.md``):
-- The update equations below are our reconstruction from the abstract, the seed's flags and the
+- The update equations below are our reconstruction from the abstract, the official code's flags and the
   footnote on Algorithm 1: one ``beta`` for the EMA of the gradient and of its absolute value, so that
   ``|m| <= b`` and ``u = m / b`` lies in ``[-1, 1]``.
 - The random bits come from a counter-based hash keyed by (seed, step, parameter, stage, rank), see
@@ -14,27 +14,29 @@ Deviations from the paper (its full text and code were not available to us; ``do
   max-variant the paper uses only in its theory).
 - Steps with a non-finite gradient are skipped (state and parameters untouched) with a warning.
 
-This module never imports ``torch.distributed``; communication lives in ``collectives`` and ``hook``.
+The optimizer *encodes* (``m, b -> u``) and *applies* (``x <- x - lr (d + wd x)``); turning every rank's ``u``
+into ``d`` is the job of its communicator (``birder_hf.base``, ``docs/ARCHITECTURE.md``). This module imports
+``torch.distributed`` only through the optimizer-side communicator it attaches when given ``process_group=`` or
+``topology=``.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
-from torch.optim.optimizer import Optimizer
 
-from .checkpoint import RankLocalState, state_dtype
-from .quantize import STAGE_WORKER, BitKeys, derive_key, quantize_bits
+from .base import OneBitOptimizer, Update, all_finite, state_dtype
+from .quantize import STAGE_WORKER, BitKeys, quantize_bits
 
-__all__ = ["Birder", "birder"]
+__all__ = ["Birder", "birder", "birder_encode", "birder_apply", "EncodeOut", "StateBuffers"]
 
 # u = m / max(b, _TINY): equals m / b wherever b is a normal float32, and 0 where b = 0 (then m = 0).
 _TINY = torch.finfo(torch.float32).tiny
 
 
-class Birder(RankLocalState, Optimizer):
+class Birder(OneBitOptimizer):
     r"""Birder: the 1-bit adaptive optimizer (our reconstruction of Peng et al., NeurIPS 2023).
 
     Per parameter, with local gradient :math:`g_t`:
@@ -50,13 +52,14 @@ class Birder(RankLocalState, Optimizer):
     Every step moves each coordinate by at most :math:`\eta (1 + \lambda |x|)`. There is no
     uncompressed warm-up: compression is on from the first step.
 
-    Three ways to run it:
+    Who turns :math:`u` into :math:`d` (the communicator, ``birder_hf.base``):
 
-    - one process: ``step()`` does everything;
-    - under DDP with :func:`birder_hf.birder_hook` (the fast path): the hook updates ``m`` and ``b``,
-      quantizes and runs the 1-bit all-reduce during backward, DDP writes :math:`d` into ``.grad``,
-      and ``step()`` only applies the last line. The hook state switches this mode on explicitly;
-    - without DDP, pass ``process_group=`` or ``topology=``: ``step()`` runs the 1-bit all-reduce.
+    - nobody, in one process: ``step()`` quantizes locally;
+    - the DDP hook (:class:`birder_hf.BirderHookState` + :func:`birder_hf.birder_hook`, the fast path): it
+      encodes and runs the 1-bit all-reduce during backward, DDP writes :math:`d` into ``.grad``, and
+      ``step()`` only applies the last line;
+    - the optimizer-side all-reduce, with ``process_group=`` or ``topology=`` (loops without DDP, sharded
+      parameters): ``step()`` encodes, all-reduces and applies.
 
     State: per parameter ``"step"`` (a CPU float32 scalar, as in ``torch.optim``), ``"exp_avg"``
     (:math:`m`), ``"exp_avg_abs"`` (:math:`b`) and, with ``amsgrad``, ``"max_exp_avg_abs"``. ``m`` and
@@ -83,8 +86,8 @@ class Birder(RankLocalState, Optimizer):
         maximize (`bool`, *optional*, defaults to `False`): maximize the objective.
         process_group (`ProcessGroup`, *optional*): run the 1-bit all-reduce in ``step()`` over this group.
         topology (`birder_hf.Topology`, *optional*): as ``process_group``, with a node topology.
-        comm_method (`str`, *optional*, defaults to `"allgather"`): the ``onebit_all_reduce`` method
-            used with ``process_group``/``topology``.
+        method (`str`, *optional*, defaults to `"hierarchical"`): the ``onebit_all_reduce`` method used with
+            ``process_group``/``topology`` (``comm_method=`` is its deprecated old name).
 
     Example::
 
@@ -108,7 +111,8 @@ class Birder(RankLocalState, Optimizer):
         maximize: bool = False,
         process_group=None,
         topology=None,
-        comm_method: str = "allgather",
+        method: str | None = None,
+        comm_method: str | None = None,
     ):
         if not isinstance(lr, (int, float)) or lr < 0.0:
             raise ValueError(f"Invalid learning rate: {lr!r}; lr must be a float >= 0.")
@@ -118,6 +122,9 @@ class Birder(RankLocalState, Optimizer):
             raise ValueError(f"Invalid weight_decay: {weight_decay!r}; weight_decay must be >= 0.")
         if process_group is not None and topology is not None:
             raise ValueError("Pass process_group= or topology=, not both.")
+        if comm_method is not None:
+            warnings.warn("Birder(comm_method=...) is renamed method=...", FutureWarning, stacklevel=2)
+            method = comm_method if method is None else method
         if seed is None:
             seed = int(torch.randint(0, 2**31 - 1, ()).item())
         defaults = dict(
@@ -131,16 +138,17 @@ class Birder(RankLocalState, Optimizer):
             maximize=maximize,
         )
         super().__init__(params, defaults)
-        if topology is None and process_group is not None:
-            from .topology import Topology
+        if topology is not None or process_group is not None:
+            if not quantize:
+                raise ValueError("quantize=False sends full-precision u and is for one process only; drop it.")
+            from .communicators import StepAllReduce  # the only way this module reaches torch.distributed
 
-            topology = Topology.flat(process_group)
-        if topology is not None and not quantize:
-            raise ValueError("quantize=False sends full-precision u and is for one process only; drop it.")
-        self._topology = topology
-        self._comm_method = comm_method
-        self._hook_state = None  # set by BirderHookState: DDP's hook owns m, b and the all-reduce
-        self._param_ids: dict[torch.Tensor, tuple[int, dict]] | None = None
+            StepAllReduce(topology=topology, process_group=process_group, method=method).attach(self)
+        elif method is not None:
+            raise ValueError(
+                "method= chooses the optimizer-side 1-bit all-reduce: pass process_group= or topology= with it (with "
+                "the DDP hook, give method= to BirderHookState instead)."
+            )
 
     def add_param_group(self, param_group: dict) -> None:
         for name, check in (
@@ -151,194 +159,145 @@ class Birder(RankLocalState, Optimizer):
             if name in param_group and not check(param_group[name]):
                 raise ValueError(f"Invalid {name} {param_group[name]!r} in a param group")
         super().add_param_group(param_group)
-        self._param_ids = None
-
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        self.__dict__.setdefault("_topology", None)
-        self.__dict__.setdefault("_comm_method", "allgather")
-        self.__dict__.setdefault("_hook_state", None)
-        self.__dict__.setdefault("_param_ids", None)
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load a state dict; ``m`` and ``b`` of bf16/fp16 parameters stay float32, and a rank's own staged state
-        wins (``birder_hf.checkpoint.RankLocalState``)."""
-        super().load_state_dict(state_dict)
-        self._param_ids = None
 
     @property
     def seed(self) -> int:
         return int(self.param_groups[0]["seed"])
 
-    def _index(self) -> dict[torch.Tensor, tuple[int, dict]]:
-        # param -> (its index over all groups, its group); rebuilt after add_param_group / load_state_dict,
-        # which replace the group dicts
-        if self._param_ids is None:
-            pairs = [(p, g) for g in self.param_groups for p in g["params"]]
-            self._param_ids = {p: (i, g) for i, (p, g) in enumerate(pairs)}
-        return self._param_ids
-
-    def param_index(self, p: torch.Tensor) -> int:
-        """The stable index of ``p`` in the optimizer (its order over all param groups); keys its bits."""
-        return self._index()[p][0]
-
-    def group_of(self, p: torch.Tensor) -> dict | None:
-        """The param group that holds ``p`` (``None`` if the optimizer does not own it)."""
-        entry = self._index().get(p)
-        return None if entry is None else entry[1]
-
-    def _init_state(self, p: torch.Tensor, amsgrad: bool) -> dict:
+    # --------------------------------------------------------------------- protocol for communicators
+    def init_state(self, p: torch.Tensor, group: dict) -> dict:
+        """The state of ``p`` (created on first use: zero ``m``, ``b`` at least float32, ``step`` 0)."""
         state = self.state[p]
         if len(state) == 0:
             dtype = state_dtype(p)
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
             state["exp_avg_abs"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-        if amsgrad and "max_exp_avg_abs" not in state:
+        if group["amsgrad"] and "max_exp_avg_abs" not in state:
             state["max_exp_avg_abs"] = state["exp_avg_abs"].clone()
         return state
 
-    @torch.no_grad()
-    def step(self, closure: Callable | None = None):
-        """Perform one optimization step (see the class docstring for what runs where)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if self._hook_state is not None:
-            self._apply_directions()
-            return loss
-        if self._topology is None:
-            _warn_if_ddp_without_hook()
+    def encode(
+        self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor], *, out: EncodeOut | None = None
+    ) -> list[torch.Tensor]:
+        """Encode ``params`` of ``group`` and return ``u``.
 
-        groups = []
-        for group in self.param_groups:
-            params, grads = [], []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("Birder does not support sparse gradients; use dense ones (sparse=False).")
-                params.append(p)
-                grads.append(p.grad)
-            if params:
-                groups.append((group, params, grads))
-        if not groups:
-            return loss
-        if not self._all_finite([g for _, _, gs in groups for g in gs]):
-            warnings.warn(
-                "Birder: non-finite gradient; this step was skipped (state untouched).", RuntimeWarning, stacklevel=3
-            )
-            return loss
-
-        rank = self._topology.rank if self._topology is not None else 0
-        work = []  # (group, params, directions) to apply after a joint all-reduce
-        for group, params, grads in groups:
-            states = [self._init_state(p, group["amsgrad"]) for p in params]
+        Without ``out``: count a step and update their ``m`` and ``b`` in place. With ``out``: leave the state alone
+        and write the new ``m``, ``b`` (and ``u``) into ``out`` (staged: :meth:`commit_state` makes them the state).
+        """
+        states = [self.init_state(p, group) for p in params]
+        if out is None:
             for s in states:
                 s["step"] += 1
-            directions = birder(
-                params,
-                grads,
-                [s["exp_avg"] for s in states],
-                [s["exp_avg_abs"] for s in states],
-                [s.get("max_exp_avg_abs") for s in states] if group["amsgrad"] else None,
-                keys=[
-                    derive_key(group["seed"], int(s["step"]), self.param_index(p), STAGE_WORKER, rank)
-                    for p, s in zip(params, states)
-                ],
-                lr=group["lr"],
-                beta=group["beta"],
-                weight_decay=group["weight_decay"],
-                quantize=group["quantize"] and self._topology is None,
-                maximize=group["maximize"],
-                foreach=group["foreach"],
-                apply=self._topology is None,
+        return birder_encode(
+            grads,
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_abs"] for s in states],
+            [s["max_exp_avg_abs"] for s in states] if group["amsgrad"] else None,
+            beta=group["beta"],
+            maximize=group["maximize"],
+            foreach=group["foreach"],
+            out=out,
+        )
+
+    def commit_state(self, p: torch.Tensor, staged: StateBuffers) -> StateBuffers:
+        """Make ``staged`` (``p``'s new ``m``, ``b``, max ``b``) its state and count the step.
+
+        Returns the replaced buffers, for the caller to reuse. The DDP hook encodes into such buffers during
+        backward and commits them once every rank agreed that the step is finite.
+        """
+        state = self.state[p]
+        old = StateBuffers(state["exp_avg"], state["exp_avg_abs"], state.get("max_exp_avg_abs"))
+        state["exp_avg"], state["exp_avg_abs"] = staged.exp_avg, staged.exp_avg_abs
+        if staged.max_exp_avg_abs is not None:
+            state["max_exp_avg_abs"] = staged.max_exp_avg_abs
+        state["step"] += 1
+        return old
+
+    def bit_keys(self, params: list[torch.Tensor], steps: list[int]) -> BitKeys:
+        """The keys of the random bits of ``params`` (flattened one after the other) at ``steps``."""
+        return BitKeys(self.seed, steps, [self.param_index(p) for p in params], [p.numel() for p in params])
+
+    # ------------------------------------------------------------------------------------------- step
+    def _step_alone(self) -> None:
+        self._step_communicated(self._local_updates())
+
+    def _step_communicated(self, updates: list[Update] | None) -> None:
+        # None: a rank had a non-finite gradient, and every rank skips the step
+        for group, params, directions in updates or ():
+            birder_apply(params, directions, lr=group["lr"], weight_decay=group["weight_decay"])
+
+    def _local_updates(self) -> list[Update] | None:
+        # one process: encode, then quantize locally (rank 0's keys)
+        batch = self.gradients()
+        if not all_finite([g for gg in batch for g in gg.grads]):
+            warnings.warn(
+                "Birder: non-finite gradient; this step was skipped (state untouched).", RuntimeWarning, stacklevel=4
             )
-            if self._topology is not None:
-                work.append((group, params, states, directions))
-        if work:
-            self._all_reduce_and_apply(work)
-        return loss
-
-    def _all_finite(self, tensors: list[torch.Tensor]) -> bool:
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for t in tensors:
-            if t.numel():
-                by_device.setdefault(t.device, []).append(t)
-        # the max-norm is inf or NaN exactly when an element is (a 2-norm would overflow on finite values)
-        ok = all(
-            bool(torch.stack([n.float() for n in torch._foreach_norm(ts, float("inf"))]).isfinite().all())
-            for ts in by_device.values()
-        )
-        if self._topology is not None:
-            import torch.distributed as dist  # lazy: only the explicit process-group mode needs it
-
-            dev = tensors[0].device if tensors else torch.device("cpu")
-            flag = torch.tensor([0.0 if ok else 1.0], device=dev)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._topology.world_group)
-            ok = flag.item() == 0.0
-        return ok
-
-    def _all_reduce_and_apply(self, work) -> None:
-        from .collectives import onebit_all_reduce
-
-        params = [p for _, ps, _, _ in work for p in ps]
-        us = [u for _, _, _, ds in work for u in ds]
-        steps = [int(s["step"]) for _, _, ss, _ in work for s in ss]
-        flat = torch.cat([u.reshape(-1) for u in us])
-        keys = BitKeys(self.seed, steps, [self.param_index(p) for p in params], [u.numel() for u in us])
-        d = onebit_all_reduce(flat, topology=self._topology, method=self._comm_method, generator=keys)
-        offset = 0
-        for group, ps, _, ds in work:
-            chunks = []
-            for u in ds:
-                chunks.append(d[offset : offset + u.numel()].view_as(u))
-                offset += u.numel()
-            _apply_update(ps, chunks, lr=group["lr"], weight_decay=group["weight_decay"])
-
-    def _apply_directions(self) -> None:
-        """Hook mode: ``.grad`` holds d from the 1-bit all-reduce; apply x -= lr (d + wd x)."""
-        if not self._hook_state._finish_step():
-            return  # a rank had a non-finite gradient: every rank skips, m and b were not committed
-        seen = self._hook_state._seen_params
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            for p in params:
-                if p not in seen:
-                    raise RuntimeError(
-                        f"A parameter of shape {tuple(p.shape)} has a gradient but the Birder hook did not see it: "
-                        "every parameter Birder optimizes must belong to the DDP model the hook is registered on."
-                    )
-            if params:
-                _apply_update(params, [p.grad for p in params], lr=group["lr"], weight_decay=group["weight_decay"])
-        seen.clear()
+            return None
+        updates = []
+        for group, params, grads in batch:
+            us = self.encode(group, params, grads)
+            if group["quantize"]:
+                keys = self.bit_keys(params, [int(self.state[p]["step"]) for p in params])
+                us = [_signs(u, keys.key(i, STAGE_WORKER, 0)) for i, u in enumerate(us)]
+            updates.append(Update(group, params, us))
+        return updates
 
 
-_warned_no_hook = False
+def _signs(u: torch.Tensor, key: tuple[int, int]) -> torch.Tensor:
+    # Q(u): +1 with probability (1 + u) / 2, else -1, in u's dtype and shape
+    return torch.where(quantize_bits(u, key).view_as(u), 1.0, -1.0).to(u.dtype)
 
 
-def _warn_if_ddp_without_hook() -> None:
-    global _warned_no_hook
-    if _warned_no_hook:
-        return
-    import torch.distributed as dist  # only to look: communication lives in collectives/hook
+class StateBuffers(NamedTuple):
+    """One parameter's ``m``, ``b`` and max ``b`` (``None`` without amsgrad)."""
 
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        _warned_no_hook = True
-        warnings.warn(
-            "Birder is running in a distributed job without its communication hook, so DDP averages "
-            "gradients in full precision (32 bits per value) and each rank quantizes on its own. Register "
-            "the 1-bit hook: model.register_comm_hook(BirderHookState(optimizer), birder_hook), or "
-            "birder_hf.integrations.accelerate.register_birder_hook / BirderCallback for the HF Trainer.",
-            UserWarning,
-            stacklevel=3,
-        )
+    exp_avg: torch.Tensor
+    exp_avg_abs: torch.Tensor
+    max_exp_avg_abs: torch.Tensor | None
 
 
-def _apply_update(params, directions, *, lr: float, weight_decay: float) -> None:
-    # x <- x - lr * (d + wd * x) = (1 - lr wd) x - lr d: two in-place passes, no temporaries; in float32 (at least)
-    # and rounded once to the param dtype
+# ------------------------------------------------------------------------------------------ functional
+class EncodeOut(NamedTuple):
+    """Where :func:`birder_encode` writes the new ``m``, ``b``, max ``b`` (``None`` without amsgrad) and ``u``."""
+
+    exp_avgs: list[torch.Tensor]
+    exp_avg_abss: list[torch.Tensor]
+    max_exp_avg_abss: list[torch.Tensor] | None
+    us: list[torch.Tensor] | None
+
+
+def birder_encode(
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_abss: list[torch.Tensor],
+    max_exp_avg_abss: list[torch.Tensor] | None = None,
+    *,
+    beta: float,
+    maximize: bool = False,
+    foreach: bool | None = None,
+    out: EncodeOut | None = None,
+) -> list[torch.Tensor]:
+    r"""Birder's encoder: :math:`m \leftarrow \beta m + (1-\beta) g`, :math:`b \leftarrow \beta b + (1-\beta)|g|`
+    (and :math:`\max b` with amsgrad); returns :math:`u = m / b` (0 where :math:`b = 0`), in ``[-1, 1]``.
+
+    Updates the state in place, or, with ``out``, leaves it alone and writes the new values into ``out``'s
+    buffers (``out.us=None``: new tensors for ``u``). The single- and multi-tensor paths take the same arguments
+    and give the same bits.
+    """
+    if foreach is None:
+        foreach = bool(grads) and all(g.is_cuda for g in grads)
+    fn = _multi_tensor_encode if foreach else _single_tensor_encode
+    return fn(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, beta=beta, maximize=maximize, out=out)
+
+
+def birder_apply(params: list[torch.Tensor], directions: list[torch.Tensor], *, lr: float, weight_decay: float):
+    r"""Birder's update :math:`x \leftarrow x - \eta (d + \lambda x)`, in place.
+
+    Two in-place passes, no temporaries: :math:`x \leftarrow (1 - \eta\lambda) x - \eta d`; bf16/fp16
+    parameters are updated in float32 and rounded once.
+    """
     decay = 1.0 - lr * weight_decay
     for p, d in zip(params, directions):
         x = p.float() if p.dtype in (torch.float16, torch.bfloat16) else p
@@ -363,39 +322,19 @@ def birder(
     quantize: bool = True,
     maximize: bool = False,
     foreach: bool | None = None,
-    apply: bool = True,
 ) -> list[torch.Tensor]:
-    r"""Functional Birder (see :class:`Birder`): update ``m``, ``b`` in place, compute the directions.
-
-    With ``apply=True`` the parameters are updated and the directions :math:`d` (``Q(u)`` or ``u``)
-    are returned; with ``apply=False`` the parameters are left alone and ``u`` is returned (for a
-    1-bit all-reduce that quantizes it itself). ``keys[i]`` keys the random bits of ``params[i]``.
-    """
-    if foreach is None:
-        foreach = bool(params) and all(p.is_cuda for p in params)
-    fn = _multi_tensor_encode if foreach else _single_tensor_encode
-    us = fn(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, beta=beta, maximize=maximize)
-    if not apply:
-        return us
-    if quantize:
-        ds = []
-        for u, key in zip(us, keys):
-            bits = quantize_bits(u, key).view_as(u)
-            ds.append(torch.where(bits, 1.0, -1.0).to(u.dtype))
-    else:
-        ds = us
-    _apply_update(params, ds, lr=lr, weight_decay=weight_decay)
+    r"""One-process Birder step (see :class:`Birder`): encode, :math:`d = Q(u)` (or ``u`` without ``quantize``),
+    apply. ``keys[i]`` keys the random bits of ``params[i]``. Returns the directions :math:`d`."""
+    us = birder_encode(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, beta=beta, maximize=maximize, foreach=foreach)
+    ds = [_signs(u, key) for u, key in zip(us, keys)] if quantize else us
+    birder_apply(params, ds, lr=lr, weight_decay=weight_decay)
     return ds
 
 
-def _single_tensor_encode(
-    grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, *, beta: float, maximize: bool, out=None, u_out=None
-):
-    # out = (ms, bs, bmaxs): write the new m, b (and max b) there instead of in place (the DDP hook
-    # double-buffers them until every rank agrees the step is finite); u_out: where to write u.
+def _single_tensor_encode(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, *, beta, maximize, out):
     us = []
     for i, (g, m, b) in enumerate(zip(grads, exp_avgs, exp_avg_abss)):
-        m_out, b_out = (out[0][i], out[1][i]) if out is not None else (m, b)
+        m_out, b_out = (out.exp_avgs[i], out.exp_avg_abss[i]) if out is not None else (m, b)
         g = g.to(m.dtype)
         if maximize:
             g = -g
@@ -403,32 +342,44 @@ def _single_tensor_encode(
         torch.mul(b, beta, out=b_out).add_(g.abs(), alpha=1 - beta)
         denom = b_out
         if max_exp_avg_abss is not None:
-            bmax_out = out[2][i] if out is not None else max_exp_avg_abss[i]
+            bmax_out = out.max_exp_avg_abss[i] if out is not None else max_exp_avg_abss[i]
             torch.maximum(max_exp_avg_abss[i], b_out, out=bmax_out)
             denom = bmax_out
         # |m| <= b holds in floating point (monotone rounding); max(b, tiny) makes 0/0 = 0.
-        u = u_out[i] if u_out is not None else torch.empty_like(m_out)
+        u = out.us[i] if out is not None and out.us is not None else torch.empty_like(m_out)
         torch.div(m_out, denom.clamp_min(_TINY), out=u)
         us.append(u.clamp_(-1.0, 1.0))
     return us
 
 
-def _multi_tensor_encode(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, *, beta: float, maximize: bool):
+def _multi_tensor_encode(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, *, beta, maximize, out):
     if not grads:
         return []
     grads = [g.to(m.dtype) for g, m in zip(grads, exp_avgs)]
     if maximize:
         grads = torch._foreach_neg(grads)
-    torch._foreach_mul_(exp_avgs, beta)
-    torch._foreach_add_(exp_avgs, grads, alpha=1 - beta)
-    torch._foreach_mul_(exp_avg_abss, beta)
-    torch._foreach_add_(exp_avg_abss, torch._foreach_abs(grads), alpha=1 - beta)
-    denoms = exp_avg_abss
+    ms, bs, bmaxs = exp_avgs, exp_avg_abss, max_exp_avg_abss
+    if out is not None:  # the same in-place arithmetic, on copies
+        ms, bs, bmaxs = out.exp_avgs, out.exp_avg_abss, out.max_exp_avg_abss
+        torch._foreach_copy_(ms, exp_avgs)
+        torch._foreach_copy_(bs, exp_avg_abss)
+        if max_exp_avg_abss is not None:
+            torch._foreach_copy_(bmaxs, max_exp_avg_abss)
+    torch._foreach_mul_(ms, beta)
+    torch._foreach_add_(ms, grads, alpha=1 - beta)
+    torch._foreach_mul_(bs, beta)
+    torch._foreach_add_(bs, torch._foreach_abs(grads), alpha=1 - beta)
+    denoms = bs
     if max_exp_avg_abss is not None:
-        torch._foreach_maximum_(max_exp_avg_abss, exp_avg_abss)
-        denoms = max_exp_avg_abss
+        torch._foreach_maximum_(bmaxs, bs)
+        denoms = bmaxs
     denoms = torch._foreach_clamp_min(denoms, _TINY)
-    us = torch._foreach_div(exp_avgs, denoms)
+    if out is not None and out.us is not None:
+        us = out.us
+        torch._foreach_copy_(us, ms)
+        torch._foreach_div_(us, denoms)
+    else:
+        us = torch._foreach_div(ms, denoms)
     torch._foreach_clamp_min_(us, -1.0)
     torch._foreach_clamp_max_(us, 1.0)
     return us

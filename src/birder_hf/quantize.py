@@ -42,11 +42,6 @@ __all__ = [
     "unpack_bits",
     "quantize_bits",
     "quantize_pack",
-    "votes_mean_",
-    "digits_mean_",
-    "requantize_pack",
-    "derive_key",
-    "random_int24",
     "BitKeys",
     "set_codec_compile",
 ]
@@ -112,8 +107,8 @@ def random_int24(numel: int, key: tuple[int, int], offset: int = 0, device=None)
 
 
 def _below(r: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    # 1 iff r < u * 2^23, i.e. r < ceil(u * 2^23) for the integer r; pure integer arithmetic (no masks)
-    # so that the compiled kernel vectorizes (a clamp here made it 4x slower). u must lie in [-1, 1].
+    # 1 iff r < u * 2^23, i.e. r < ceil(u * 2^23) for the integer r; pure integer arithmetic (no masks, no
+    # clamp) so that the compiled kernel vectorizes. u must lie in [-1, 1].
     return ((r - torch.ceil(u * 8388608.0).to(torch.int32)) >> 31) & 1  # 2^23
 
 

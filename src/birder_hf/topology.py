@@ -20,6 +20,7 @@ the two streams of collectives could be issued in different orders on different 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
@@ -35,7 +36,7 @@ def _require_initialized(where: str) -> None:
         )
 
 
-def _build_groups(enumeration: list[list[int]], world_group):
+def _build_group(enumeration: list[list[int]], world_group):
     # Every rank takes part in creating every subgroup, in the same order. A group of one rank needs
     # no collective, so none is created (None stands for "just this rank"); a group of all ranks is
     # the topology's own world group.
@@ -47,6 +48,16 @@ def _build_groups(enumeration: list[list[int]], world_group):
     return mine
 
 
+def _positive_int(where: str, name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{where}: {name} must be an int >= 1, got {value!r}.")
+    return value
+
+
+_ENV_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "LOCAL_RANK")
+
+
+@dataclass(frozen=True, eq=False)
 class Topology:
     """Where each rank sits: ``num_nodes`` nodes x ``local_world_size`` ranks.
 
@@ -62,7 +73,7 @@ class Topology:
         intra_ranks, inter_ranks: the global ranks of those groups.
 
     A topology holds process groups: it cannot be pickled and has no state to checkpoint; rebuild it
-    after a restart.
+    after a restart. It is immutable, and compares by identity.
 
     Example::
 
@@ -71,43 +82,23 @@ class Topology:
         Topology(2 nodes x 8 ranks, rank 3)
     """
 
-    __slots__ = (
-        "rank",
-        "world_size",
-        "local_rank",
-        "local_world_size",
-        "node_rank",
-        "num_nodes",
-        "world_group",
-        "intra_group",
-        "inter_group",
-        "intra_ranks",
-        "inter_ranks",
-        "__weakref__",
-    )
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    num_nodes: int
+    world_group: object
+    intra_group: object
+    inter_group: object
+    intra_ranks: tuple[int, ...]
+    inter_ranks: tuple[int, ...]
 
-    def __init__(
-        self,
-        *,
-        rank: int,
-        world_size: int,
-        local_rank: int,
-        local_world_size: int,
-        node_rank: int,
-        num_nodes: int,
-        world_group,
-        intra_group,
-        inter_group,
-        intra_ranks: tuple[int, ...],
-        inter_ranks: tuple[int, ...],
-    ):
-        if local_world_size * num_nodes != world_size:
-            raise ValueError(f"{num_nodes} nodes x {local_world_size} ranks != world size {world_size}")
-        self.rank, self.world_size = rank, world_size
-        self.local_rank, self.local_world_size = local_rank, local_world_size
-        self.node_rank, self.num_nodes = node_rank, num_nodes
-        self.world_group, self.intra_group, self.inter_group = world_group, intra_group, inter_group
-        self.intra_ranks, self.inter_ranks = tuple(intra_ranks), tuple(inter_ranks)
+    def __post_init__(self):
+        if self.local_world_size * self.num_nodes != self.world_size:
+            raise ValueError(f"{self.num_nodes} nodes x {self.local_world_size} ranks != world size {self.world_size}")
+        object.__setattr__(self, "intra_ranks", tuple(self.intra_ranks))
+        object.__setattr__(self, "inter_ranks", tuple(self.inter_ranks))
 
     # ----------------------------------------------------------------------------------- constructors
     @classmethod
@@ -151,35 +142,28 @@ class Topology:
         """``num_nodes`` x ``local_world_size`` over the default group, node-major: node ``g`` holds
         ranks ``g*L .. g*L+L-1``. Handy to simulate several nodes on one host (``from_layout(2, 2)``).
 
-        Every rank must call it, with the same arguments.
+        Collective: every rank must call it, with the same arguments; every rank checks that they do (one
+        small all-gather) and all raise the same ``ValueError`` otherwise.
         """
+        where = f"Topology.from_layout({num_nodes!r}, {local_world_size!r})"
         _require_initialized("Topology.from_layout")
-        world, rank = dist.get_world_size(), dist.get_rank()
-        k, lws = int(num_nodes), int(local_world_size)
-        if k < 1 or lws < 1 or k * lws != world:
+        k = _positive_int(where, "num_nodes", num_nodes)
+        lws = _positive_int(where, "local_world_size", local_world_size)
+        world = dist.get_world_size()
+        if k * lws != world:
             raise ValueError(
-                f"Topology.from_layout({num_nodes}, {local_world_size}): num_nodes x local_world_size must "
-                f"equal the world size {world}; choose a local_world_size that divides {world}."
+                f"{where}: num_nodes x local_world_size must equal the world size {world}; choose a "
+                f"local_world_size that divides {world}."
             )
-        node, local = divmod(rank, lws)
-        intra = [[g * lws + j for j in range(lws)] for g in range(k)]
-        inter = [[g * lws + j for g in range(k)] for j in range(lws)]
-        world_group = dist.new_group(list(range(world))) if world > 1 else dist.group.WORLD
-        intra_group = _build_groups(intra, world_group)
-        inter_group = _build_groups(inter, world_group)
-        return cls(
-            rank=rank,
-            world_size=world,
-            local_rank=local,
-            local_world_size=lws,
-            node_rank=node,
-            num_nodes=k,
-            world_group=world_group,
-            intra_group=intra_group,
-            inter_group=inter_group,
-            intra_ranks=intra[node],
-            inter_ranks=inter[local],
-        )
+        if world > 1:
+            layouts: list = [None] * world
+            dist.all_gather_object(layouts, (k, lws))
+            if len(set(layouts)) > 1:
+                raise ValueError(
+                    f"Topology.from_layout: the ranks asked for different layouts {sorted(set(layouts))} "
+                    "(num_nodes, local_world_size); every rank must pass the same arguments."
+                )
+        return cls._from_grid([[g * lws + j for j in range(lws)] for g in range(k)])
 
     @classmethod
     def from_env(cls) -> Topology:
@@ -192,29 +176,18 @@ class Topology:
         otherwise. Collective: every rank must call it.
         """
         _require_initialized("Topology.from_env")
-        world, rank = dist.get_world_size(), dist.get_rank()
-        env = os.environ
-
-        def read(name: str, *fallbacks: str):
-            for n in (name, *fallbacks):
-                if env.get(n, "") != "":
-                    try:
-                        return int(env[n])
-                    except ValueError:
-                        return f"{n}={env[n]!r} is not an integer"
-            return None
-
-        mine = {
-            "RANK": read("RANK"),
-            "WORLD_SIZE": read("WORLD_SIZE"),
-            "LOCAL_WORLD_SIZE": read("LOCAL_WORLD_SIZE"),
-            "GROUP_RANK": read("GROUP_RANK", "NODE_RANK"),
-            "LOCAL_RANK": read("LOCAL_RANK"),
-            "dist_rank": rank,
-        }
+        world = dist.get_world_size()
+        values, errors = {}, []
+        for name in _ENV_NAMES:
+            sources = (name, "NODE_RANK") if name == "GROUP_RANK" else (name,)
+            raw = next((os.environ[n] for n in sources if os.environ.get(n, "") != ""), None)
+            try:
+                values[name] = None if raw is None else int(raw)
+            except ValueError:
+                errors.append(f"{name}={raw!r} is not an integer")
         # Gather first, then every rank judges the same table: all raise together, none hangs.
-        table: list[dict] = [None] * world  # type: ignore[list-item]
-        dist.all_gather_object(table, mine)
+        table: list = [None] * world
+        dist.all_gather_object(table, (dist.get_rank(), values, errors))
         problem = _check_env_table(table, world)
         if problem:
             raise ValueError(
@@ -224,7 +197,8 @@ class Topology:
                 "topology with Topology.from_layout(num_nodes, local_world_size), Topology.from_device_mesh(mesh) "
                 "or Topology.flat()."
             )
-        return cls.from_layout(world // table[0]["LOCAL_WORLD_SIZE"], table[0]["LOCAL_WORLD_SIZE"])
+        lws = table[0][1]["LOCAL_WORLD_SIZE"]
+        return cls._from_grid([[g * lws + j for j in range(lws)] for g in range(world // lws)])
 
     @classmethod
     def from_device_mesh(cls, mesh) -> Topology:
@@ -237,29 +211,43 @@ class Topology:
         rank calls it.
         """
         _require_initialized("Topology.from_device_mesh")
-        if mesh.ndim != 2:
-            raise ValueError(f"Topology.from_device_mesh expects a 2-D mesh (nodes x local), got {mesh.ndim}-D")
-        world, rank = dist.get_world_size(), dist.get_rank()
+        if getattr(mesh, "ndim", None) != 2 or not hasattr(mesh, "mesh"):
+            raise ValueError(
+                f"Topology.from_device_mesh expects a 2-D torch.distributed DeviceMesh (nodes x local), got "
+                f"{type(mesh).__name__}{f' of {mesh.ndim} dimensions' if hasattr(mesh, 'ndim') else ''}; build one "
+                "with init_device_mesh(device, (num_nodes, local_world_size))."
+            )
+        world = dist.get_world_size()
         k, lws = mesh.size(0), mesh.size(1)
         if k * lws != world:
             raise ValueError(f"the mesh covers {k * lws} ranks but the default group has {world}; use a mesh of all")
         grid = mesh.mesh.tolist()  # grid[node][local] = global rank
-        intra = [sorted(row) for row in grid]
-        inter = [sorted(grid[g][j] for g in range(k)) for j in range(lws)]
-        intra_ranks = tuple(dist.get_process_group_ranks(mesh.get_group(1)))
-        inter_ranks = tuple(dist.get_process_group_ranks(mesh.get_group(0)))
-        node = next(g for g in range(k) if rank in grid[g])
-        local = grid[node].index(rank)
         # a group's ranks are ordered by global rank: the mesh must ascend along both dimensions for
         # those orders to be the mesh's local and node indices
-        if intra != grid or any(inter[j] != [grid[g][j] for g in range(k)] for j in range(lws)):
+        if any(sorted(row) != row for row in grid) or any(sorted(col) != list(col) for col in zip(*grid)):
             raise ValueError(
                 "Topology.from_device_mesh: the mesh's nodes and columns do not form a sorted grid (ranks "
                 "ascending along both dimensions); build the mesh with init_device_mesh(device, (num_nodes, "
                 "local_world_size)), or use Topology.from_layout(num_nodes, local_world_size)."
             )
-        if set(intra_ranks) != set(intra[node]) or set(inter_ranks) != set(inter[local]):
+        rank = dist.get_rank()
+        node = next(g for g in range(k) if rank in grid[g])
+        local = grid[node].index(rank)
+        intra_ranks = set(dist.get_process_group_ranks(mesh.get_group(1)))
+        inter_ranks = set(dist.get_process_group_ranks(mesh.get_group(0)))
+        if intra_ranks != set(grid[node]) or inter_ranks != {row[local] for row in grid}:
             raise ValueError("Topology.from_device_mesh: mesh.get_group(0/1) disagree with mesh.mesh")
+        return cls._from_grid(grid)
+
+    @classmethod
+    def _from_grid(cls, grid: list[list[int]]) -> Topology:
+        """The topology of ``grid[node][local] = global rank`` over the default group, with its own groups."""
+        world, rank = dist.get_world_size(), dist.get_rank()
+        k, lws = len(grid), len(grid[0])
+        node = next(g for g in range(k) if rank in grid[g])
+        local = grid[node].index(rank)
+        intra = [list(row) for row in grid]
+        inter = [[grid[g][j] for g in range(k)] for j in range(lws)]
         world_group = dist.new_group(list(range(world))) if world > 1 else dist.group.WORLD
         return cls(
             rank=rank,
@@ -269,17 +257,13 @@ class Topology:
             node_rank=node,
             num_nodes=k,
             world_group=world_group,
-            intra_group=_build_groups(intra, world_group),
-            inter_group=_build_groups(inter, world_group),
-            intra_ranks=tuple(intra[node]),
-            inter_ranks=tuple(inter[local]),
+            intra_group=_build_group(intra, world_group),
+            inter_group=_build_group(inter, world_group),
+            intra_ranks=intra[node],
+            inter_ranks=inter[local],
         )
 
     # ------------------------------------------------------------------------------------------- misc
-    @property
-    def is_flat(self) -> bool:
-        return self.num_nodes == 1
-
     def __repr__(self) -> str:
         nodes = "node" if self.num_nodes == 1 else "nodes"
         ranks = "rank" if self.local_world_size == 1 else "ranks"
@@ -299,24 +283,24 @@ class Topology:
         )
 
 
-def _check_env_table(table: list[dict], world: int) -> str:
-    for r, row in enumerate(table):
-        for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "LOCAL_RANK"):
-            if isinstance(row[name], str):
-                return f"on rank {r}, {row[name]}"
+def _check_env_table(table: list, world: int) -> str:
+    """The first problem in every rank's ``(process-group rank, launcher values, parse errors)``, or ``""``."""
+    for r, (dist_rank, row, errors) in enumerate(table):
+        if errors:
+            return f"on rank {r}, {errors[0]}"
         if row["LOCAL_WORLD_SIZE"] is None or row["GROUP_RANK"] is None:
             return f"rank {r} has no LOCAL_WORLD_SIZE or GROUP_RANK (nor NODE_RANK) in its environment"
-        if row["RANK"] is not None and row["RANK"] != row["dist_rank"]:
-            return f"RANK={row['RANK']} but the process group says rank {row['dist_rank']}"
+        if row["RANK"] is not None and row["RANK"] != dist_rank:
+            return f"RANK={row['RANK']} but the process group says rank {dist_rank}"
         if row["WORLD_SIZE"] is not None and row["WORLD_SIZE"] != world:
             return f"WORLD_SIZE={row['WORLD_SIZE']} but the process group has {world} ranks"
-    sizes = sorted({row["LOCAL_WORLD_SIZE"] for row in table})
+    sizes = sorted({row["LOCAL_WORLD_SIZE"] for _, row, _ in table})
     if len(sizes) > 1:
         return f"ranks disagree on LOCAL_WORLD_SIZE ({sizes}); every node must run the same number of ranks"
     lws = sizes[0]
     if lws < 1 or world % lws:
         return f"LOCAL_WORLD_SIZE={lws} does not divide the world size {world}"
-    for r, row in enumerate(table):
+    for r, (_, row, _) in enumerate(table):
         local = row["LOCAL_RANK"] if row["LOCAL_RANK"] is not None else r - row["GROUP_RANK"] * lws
         if row["GROUP_RANK"] * lws + local != r or not 0 <= local < lws:
             return (

@@ -18,7 +18,8 @@ baseline), with the same per-rank checkpoints.
 
 ``accelerate``'s ``DistributedDataParallelKwargs(comm_hook=...)`` only takes its built-in hooks (a
 callable is ignored), hence this function. Do not call ``accelerator.clip_grad_norm_`` with Birder:
-after the hook, ``.grad`` holds the direction ``d``, whose step is already bounded by ``lr``.
+after the hook, ``.grad`` holds the direction ``d`` in ``[-1, 1]``, and each step moves a coordinate by at most
+``lr * (1 + weight_decay * |x|)`` by construction.
 """
 
 from __future__ import annotations
@@ -26,12 +27,10 @@ from __future__ import annotations
 import logging
 import os
 
-import torch
-
+from ..base import OneBitOptimizer, unwrap_optimizer
 from ..checkpoint import read_rank_state, save_rank_state
-from ..hook import BirderHookState, birder_hook
-from ..onebit_adam import OneBitAdam, OneBitAdamHookState, onebit_adam_hook
-from ..optim import Birder
+from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, _check_method
+from ..hook import attach_ddp_hook
 from ..topology import Topology
 
 __all__ = ["register_birder_hook", "check_really_distributed"]
@@ -54,40 +53,31 @@ def check_really_distributed(num_processes: int) -> None:
         )
 
 
-def register_birder_hook(
-    accelerator,
-    model,
-    optimizer,
-    *,
-    topology: Topology | None = None,
-    method: str = "hierarchical",
-    **hook_kwargs,
-) -> BirderHookState | OneBitAdamHookState | None:
-    """Register :func:`birder_hf.birder_hook` on the DDP model that ``accelerator.prepare`` returned.
+def register_birder_hook(accelerator, model, optimizer, *, topology: Topology | None = None, **options):
+    """Register the 1-bit hook on the DDP model that ``accelerator.prepare`` returned.
 
     Args:
         accelerator (`accelerate.Accelerator`): the accelerator that prepared ``model`` and ``optimizer``.
-        model (`DistributedDataParallel`): the model returned by ``prepare``.
+        model (`DistributedDataParallel`): the model returned by ``prepare`` (``torch.compile``-d or not).
         optimizer (`Birder` or `OneBitAdam`, or accelerate's wrapper of it): the prepared optimizer; a
-            ``OneBitAdam`` gets ``onebit_adam_hook`` (``method`` and ``hook_kwargs`` are Birder's and do not apply).
+            ``OneBitAdam`` gets ``onebit_adam_hook``.
         topology (`Topology`, *optional*): defaults to ``Topology.from_env()`` (the launcher's node layout).
-        method (`str`, *optional*, defaults to `"hierarchical"`): see ``onebit_all_reduce``.
-        **hook_kwargs: more ``BirderHookState`` options (``inter_method``, ``chunk_numel``, ...).
+        **options: the hook's settings, as :func:`birder_hf.attach_ddp_hook` takes them: ``method`` (default
+            ``"hierarchical"``), ``inter_method``, ``chunk_numel``, ``check_finite``.
 
     Returns:
         The hook state (its ``stats`` hold the bytes sent), or ``None`` in a single process, where
         there is no communication to compress.
 
-    Also registers ``save_state``/``load_state`` hooks that write and read every rank's own Birder
+    Also registers ``save_state``/``load_state`` hooks that write and read every rank's own optimizer
     state (``birder_hf.checkpoint``).
     """
-    inner = getattr(optimizer, "optimizer", optimizer)
-    if not isinstance(inner, (Birder, OneBitAdam)):
+    inner = unwrap_optimizer(optimizer)
+    if not isinstance(inner, OneBitOptimizer):
         raise TypeError(
             f"register_birder_hook needs a birder_hf.Birder (or OneBitAdam) optimizer, got {type(inner).__name__}."
         )
-    if isinstance(inner, OneBitAdam) and hook_kwargs:
-        raise TypeError(f"{sorted(hook_kwargs)} are BirderHookState options; OneBitAdam's hook takes none.")
+    _check_options(**options)
     check_really_distributed(accelerator.num_processes)
     handler = getattr(accelerator, "ddp_handler", None)
     builtin = getattr(handler, "comm_hook", None)
@@ -100,31 +90,28 @@ def register_birder_hook(
         _register_checkpoint_hooks(accelerator, inner)
         logger.info("%s: single process, no gradient communication to compress.", type(inner).__name__)
         return None
-    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        raise TypeError(
-            f"Expected the DistributedDataParallel model returned by accelerator.prepare, got {type(model).__name__}."
-        )
-    topology = topology or Topology.from_env()
-    if isinstance(inner, OneBitAdam):
-        state, hook = OneBitAdamHookState(inner, topology=topology), onebit_adam_hook
-    else:
-        state, hook = BirderHookState(inner, topology=topology, method=method, **hook_kwargs), birder_hook
-    model.register_comm_hook(state, hook)
+    state = attach_ddp_hook(model, inner, topology=topology or Topology.from_env(), **options)
     _register_checkpoint_hooks(accelerator, inner)
-    what = f"1-bit {method} hook" if hook is birder_hook else "1-bit Adam hook"
-    logger.info("%s: %s registered on %r.", type(inner).__name__, what, state.topology)
+    logger.info("%s: %s registered on %r.", type(inner).__name__, state.description, state.topology)
     return state
 
 
-def _register_checkpoint_hooks(accelerator, optimizer: Birder | OneBitAdam) -> None:
+def _check_options(method: str = DEFAULT_METHOD, inter_method: str = DEFAULT_INTER_METHOD, **others) -> None:
+    # refuse a bad setting at once, in every process (one process registers no hook)
+    unknown = set(others) - {"chunk_numel", "check_finite"}
+    if unknown:
+        raise TypeError(f"register_birder_hook got unknown options {sorted(unknown)}; see birder_hf.attach_ddp_hook.")
+    _check_method(method, inter_method)
+
+
+def _register_checkpoint_hooks(accelerator, optimizer: OneBitOptimizer) -> None:
     def save_pre_hook(models, weights, output_dir):
         save_rank_state(optimizer, output_dir, rank=accelerator.process_index, world_size=accelerator.num_processes)
 
     def load_pre_hook(models, input_dir):
-        # accelerate loads rank 0's optimizer state into every rank right after this hook; the optimizer then
-        # takes this rank's own state instead (birder_hf.checkpoint.RankLocalState)
+        # accelerate loads rank 0's optimizer state into every rank right after this hook; stage this rank's own
         state = read_rank_state(input_dir, rank=accelerator.process_index, world_size=accelerator.num_processes)
-        optimizer._rank_state_override = state
+        optimizer.stage_rank_state(state)
 
     accelerator.register_save_state_pre_hook(save_pre_hook)
     accelerator.register_load_state_pre_hook(load_pre_hook)

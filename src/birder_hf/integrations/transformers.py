@@ -14,8 +14,9 @@ For your own Trainer subclass: ``class MyTrainer(BirderTrainerMixin, Seq2SeqTrai
 
 What it changes, on purpose:
 - ``max_grad_norm``: the Trainer would clip ``.grad`` after backward, which with the hook holds the
-  direction ``d`` (each step is already bounded by ``lr``, by construction); clipping it is meaningless,
-  so a positive ``max_grad_norm`` (default 1.0) is set to 0 with a warning.
+  direction ``d`` in ``[-1, 1]`` (each step moves a coordinate by at most ``lr * (1 + weight_decay * |x|)``, by
+  construction); clipping it is meaningless, so a positive ``max_grad_norm`` (default 1.0) is set to 0 with a
+  warning.
 - ``fp16`` (loss scaling) is refused: a skipped, scaled step would corrupt the EMAs. Use ``bf16``.
 """
 
@@ -23,13 +24,17 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import asdict, dataclass, field
+import warnings
+from dataclasses import dataclass, field
+from typing import ClassVar
 
-import torch
-
+from ..base import OneBitOptimizer, unwrap_optimizer
 from ..checkpoint import read_rank_state, save_rank_state
-from ..hook import BirderHookState, birder_hook
-from ..onebit_adam import OneBitAdam, OneBitAdamHookState, onebit_adam_hook
+from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, INTER_METHODS, METHODS
+from ..communicators import HookState
+from ..hook import attach_ddp_hook
+from ..model_card import model_card_section, optimizer_description
+from ..onebit_adam import OneBitAdam
 from ..optim import Birder
 from ..topology import Topology
 from .accelerate import check_really_distributed
@@ -46,6 +51,8 @@ __all__ = ["BirderArguments", "BirderTrainerMixin", "BirderTrainer", "BirderCall
 
 logger = logging.getLogger(__name__)
 
+OPTIMIZERS = ("birder", "onebitadam")
+
 
 @dataclass
 class BirderArguments:
@@ -53,7 +60,7 @@ class BirderArguments:
 
     ``optimizer="onebitadam"`` trains with :class:`birder_hf.OneBitAdam` instead (the paper's compressed baseline:
     ``freeze_step`` full-precision Adam steps, then 1-bit momentum with error feedback; ``TrainingArguments``'
-    ``adam_beta1/adam_beta2/adam_epsilon`` apply); the Birder-only settings are then ignored.
+    ``adam_beta1/adam_beta2/adam_epsilon`` apply); the Birder-only settings are then not used.
     """
 
     optimizer: str = field(default="birder", metadata={"help": "birder | onebitadam (1-bit Adam, Tang et al. 2021)."})
@@ -61,12 +68,13 @@ class BirderArguments:
         default=100, metadata={"help": "onebitadam only: full-precision Adam warm-up steps before compressing."}
     )
     beta: float = field(default=0.95, metadata={"help": "EMA factor of m and b (the paper's beta)."})
-    comm_method: str = field(
-        default="hierarchical",
+    method: str = field(
+        default=DEFAULT_METHOD,
         metadata={"help": "1-bit all-reduce: allgather | scatter_gather | hierarchical (node x GPU layout)."},
     )
     inter_method: str = field(
-        default="allgather", metadata={"help": "hierarchical only: inter-node exchange, allgather | scatter_gather."}
+        default=DEFAULT_INTER_METHOD,
+        metadata={"help": "hierarchical only: inter-node exchange, allgather | scatter_gather."},
     )
     chunk_numel: int | None = field(
         default=None, metadata={"help": "Elements per collective (bounds receive buffers; higher => fewer calls)."}
@@ -82,6 +90,22 @@ class BirderArguments:
             "e.g. --num_nodes 2 with 4 processes on one machine simulates 2 nodes x 2 for the hierarchical method."
         },
     )
+    comm_method: str | None = field(default=None, metadata={"help": "Deprecated name of --method."})
+
+    optimizers: ClassVar[tuple[str, ...]] = OPTIMIZERS  # a recipe's subclass may add its uncompressed baselines
+
+    def __post_init__(self):
+        if self.comm_method is not None:
+            warnings.warn("BirderArguments(comm_method=...) is renamed method=...", FutureWarning, stacklevel=3)
+            self.method, self.comm_method = self.comm_method, None
+        if self.optimizer not in self.optimizers:
+            raise ValueError(f"optimizer={self.optimizer!r}; choose one of {', '.join(self.optimizers)}.")
+        if self.method not in METHODS:
+            raise ValueError(f"method={self.method!r}; choose one of {', '.join(METHODS)}.")
+        if self.inter_method not in INTER_METHODS:
+            raise ValueError(f"inter_method={self.inter_method!r}; choose one of {', '.join(INTER_METHODS)}.")
+        if not 0.0 <= self.beta < 1.0:
+            raise ValueError(f"beta={self.beta} must lie in [0, 1).")
 
     def topology(self) -> Topology:
         """The topology these arguments ask for (collective: every rank must call it)."""
@@ -94,20 +118,12 @@ class BirderArguments:
             raise ValueError(f"--num_nodes {self.num_nodes} does not divide the world size {world}.")
         return Topology.from_layout(self.num_nodes, world // self.num_nodes)
 
-    def __post_init__(self):
-        if self.comm_method not in ("allgather", "scatter_gather", "hierarchical"):
-            raise ValueError(f"comm_method={self.comm_method!r}; choose allgather, scatter_gather or hierarchical.")
-        if not 0.0 <= self.beta < 1.0:
-            raise ValueError(f"beta={self.beta} must lie in [0, 1).")
-
-
-_ONE_BIT = (Birder, OneBitAdam)
-
-
-def _inner(optimizer):
-    while optimizer is not None and not isinstance(optimizer, _ONE_BIT) and hasattr(optimizer, "optimizer"):
-        optimizer = optimizer.optimizer
-    return optimizer
+    def communication(self) -> dict:
+        """Birder's all-reduce settings, as listed in model cards."""
+        out = {"method": self.method, "inter_method": self.inter_method, "chunk_numel": self.chunk_numel}
+        if self.num_nodes is not None:
+            out["num_nodes"] = self.num_nodes
+        return out
 
 
 class BirderCallback(TrainerCallback):
@@ -118,8 +134,8 @@ class BirderCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         trainer = self.trainer
-        opt = _inner(trainer.optimizer)
-        if not isinstance(opt, _ONE_BIT):
+        opt = unwrap_optimizer(trainer.optimizer)
+        if not isinstance(opt, OneBitOptimizer):
             raise TypeError(f"BirderTrainer needs a Birder (or OneBitAdam) optimizer, got {type(opt).__name__}.")
         if trainer._birder_resume_dir is not None:
             # the Trainer just loaded rank 0's optimizer.pt into every rank; take this rank's own state
@@ -127,26 +143,21 @@ class BirderCallback(TrainerCallback):
                 read_rank_state(trainer._birder_resume_dir, rank=args.process_index, world_size=args.world_size)
             )
         check_really_distributed(args.world_size)
-        model = trainer.model_wrapped
-        if args.world_size == 1 or trainer.birder_hook_state is not None:
+        hooked = trainer.birder_hook_state
+        if args.world_size == 1 or (hooked is not None and hooked.optimizer is opt):
             return
-        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            raise TypeError(f"Birder's 1-bit hook needs DDP; the Trainer wrapped the model in {type(model).__name__}.")
+        # a new optimizer (first train(), or a new trial of hyperparameter_search / model_init): a new hook
         b = trainer.birder_args
-        if isinstance(opt, OneBitAdam):
-            trainer.birder_hook_state = OneBitAdamHookState(opt, topology=b.topology())
-            model.register_comm_hook(trainer.birder_hook_state, onebit_adam_hook)
-            logger.info("OneBitAdam: 1-bit hook registered on %r", trainer.birder_hook_state.topology)
-            return
-        trainer.birder_hook_state = BirderHookState(
+        trainer.birder_hook_state = attach_ddp_hook(
+            trainer.model_wrapped,
             opt,
             topology=b.topology(),
-            method=b.comm_method,
+            method=b.method,
             inter_method=b.inter_method,
             chunk_numel=b.chunk_numel,
         )
-        model.register_comm_hook(trainer.birder_hook_state, birder_hook)
-        logger.info("Birder: 1-bit %s hook registered on %r", b.comm_method, trainer.birder_hook_state.topology)
+        state = trainer.birder_hook_state
+        logger.info("%s: %s registered on %r", type(opt).__name__, state.description, state.topology)
 
     def on_save(self, args, state, control, **kwargs):
         path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
@@ -158,11 +169,11 @@ class BirderTrainerMixin:
 
     def __init__(self, *args, birder_args: BirderArguments | None = None, **kwargs):
         birder_args = birder_args if birder_args is not None else BirderArguments()
-        if birder_args.optimizer not in ("birder", "onebitadam"):
+        if birder_args.optimizer not in OPTIMIZERS:
             raise ValueError(f"BirderArguments.optimizer={birder_args.optimizer!r}; choose birder or onebitadam.")
         super().__init__(*args, **kwargs)
         self.birder_args = birder_args
-        self.birder_hook_state: BirderHookState | OneBitAdamHookState | None = None
+        self.birder_hook_state: HookState | None = None
         self._birder_resume_dir: str | None = None
         if self.args.fp16:
             raise ValueError(
@@ -171,8 +182,8 @@ class BirderTrainerMixin:
             )
         if self.args.max_grad_norm and self.args.max_grad_norm > 0:
             logger.warning(
-                "Birder: max_grad_norm=%s set to 0. After the 1-bit hook, .grad holds the direction d, whose step "
-                "is bounded by lr by construction; clipping it would be meaningless.",
+                "Birder: max_grad_norm=%s set to 0. After the 1-bit hook, .grad holds the direction d in [-1, 1] "
+                "(a step moves a coordinate by at most lr * (1 + weight_decay * |x|)); clipping it is meaningless.",
                 self.args.max_grad_norm,
             )
             self.args.max_grad_norm = 0.0
@@ -201,12 +212,12 @@ class BirderTrainerMixin:
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         state = self.birder_hook_state
-        if isinstance(state, BirderHookState) and "loss" in logs and state.steps_communicated:
-            logs.update(state.stats.as_dict("birder/"))
-            logs["birder/skipped_steps"] = state.skipped_steps
-        elif isinstance(state, OneBitAdamHookState) and "loss" in logs and state.warmup_steps + state.compressed_steps:
-            logs.update(state.stats.as_dict("onebit_adam/"))
-            logs["onebit_adam/compressed_steps"] = state.compressed_steps
+        if state is not None and "loss" in logs and state.steps_communicated:
+            prefix = "birder/" if isinstance(state.optimizer, Birder) else "onebit_adam/"
+            logs.update(state.stats.as_dict(prefix))
+            logs[prefix + "skipped_steps"] = state.skipped_steps
+            if isinstance(state.optimizer, OneBitAdam):
+                logs[prefix + "compressed_steps"] = state.compressed_steps
         super().log(logs, *args, **kwargs)
 
     def create_model_card(self, *args, **kwargs) -> None:
@@ -218,14 +229,13 @@ class BirderTrainerMixin:
             return
         with open(path, encoding="utf-8") as f:
             lines = f.read().splitlines()
-        opt = _inner(self.optimizer)
-        line = f"- optimizer: {_describe(opt, self.birder_args)}"
+        opt = unwrap_optimizer(self.optimizer)
+        communication = self.birder_args.communication()
+        line = f"- optimizer: {optimizer_description(opt, communication)}"
         lines = [line if ln.startswith("- optimizer:") else ln for ln in lines]
         if line not in lines:
             lines.append(line)
-        text = "\n".join(lines) + "\n"
-        if isinstance(opt, Birder):
-            text += "\n" + birder_model_card_section(opt, self.birder_args)
+        text = "\n".join(lines) + "\n\n" + model_card_section(opt, communication)
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
 
@@ -234,39 +244,6 @@ class BirderTrainer(BirderTrainerMixin, Trainer):
     """``transformers.Trainer`` that trains with Birder and its 1-bit hook (see the module docstring)."""
 
 
-def _describe(opt, b: BirderArguments) -> str:
-    g = opt.param_groups[0] if opt is not None else {}
-    if isinstance(opt, OneBitAdam):
-        return (
-            f"1-bit Adam (Tang et al. ICML 2021; birder-hf OneBitAdam) with lr={g['lr']}, betas={g['betas']}, "
-            f"weight_decay={g['weight_decay']}, freeze_step={g['freeze_step']}"
-        )
-    return (
-        f"Birder (1-bit adaptive, Peng et al. NeurIPS 2023; birder-hf) with lr={g.get('lr')}, beta={g.get('beta')}, "
-        f"weight_decay={g.get('weight_decay')}, amsgrad={g.get('amsgrad')}, comm_method={b.comm_method}, "
-        f"inter_method={b.inter_method}"
-    )
-
-
 def birder_model_card_section(opt, b: BirderArguments) -> str:
-    """A model-card section that names Birder, its settings and the paper."""
-    settings = {**asdict(b), **({"seed": opt.seed} if opt is not None else {})}
-    rows = "\n".join(f"| {k} | {v} |" for k, v in settings.items())
-    return f"""## Trained with Birder
-
-This model was trained with [birder-hf](https://openreview.net/forum?id=Mlo2kM11ZB): the Birder optimizer
-sends 1 bit per parameter per step between workers (Hierarchical-1-bit-All-Reduce) instead of 32.
-
-| setting | value |
-|---|---|
-{rows}
-
-```bibtex
-@inproceedings{{birder2023,
-    title={{Birder: Communication-Efficient 1-bit Adaptive Optimizer for Practical Distributed DNN Training}},
-    author={{Hanyang Peng, Shuang Qin, Yue Yu, Jin Wang, Hui Wang, Ge Li}},
-    booktitle={{Advances in Neural Information Processing Systems}},
-    year={{2023}}
-}}
-```
-"""
+    """Deprecated: ``birder_hf.model_card.model_card_section(opt, b.communication())``."""
+    return model_card_section(opt, b.communication())

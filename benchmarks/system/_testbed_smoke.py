@@ -1,6 +1,6 @@
-"""Smoke test for `benchmarks/testbed.py`: a gloo all_reduce across emulated nodes, launched by torchrun.
+"""Smoke test for `benchmarks/system/testbed.py`: a gloo all_reduce across emulated nodes, launched by torchrun.
 
-Run by ``python benchmarks/testbed.py check`` on every node of a fresh testbed.
+Run by ``python benchmarks/system/testbed.py check`` on every node of a fresh testbed.
 """
 
 import argparse

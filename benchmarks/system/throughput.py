@@ -1,14 +1,14 @@
 """Communication-efficiency benchmark: samples/s of DDP training under fp32, fp16, PowerSGD and Birder, across nodes.
 
-The seed's Ethernet / InfiniBand "system throughput" comparison, on one machine: two emulated nodes (network
-namespaces, ``benchmarks/testbed.py``) joined by a 150 Mbit/s shaped link (``ethernet``: the compute/communication
-balance of 10 GbE between A100 nodes, scaled to these CPU cores) or an unshaped one (``ib``: bandwidth to spare).
-Every configuration is one ``torchrun`` job per node running ``benchmarks/_throughput_worker.py``, which times every
-method side by side in the same processes.
+The official code's Ethernet / InfiniBand "system throughput" comparison, on one machine: two emulated nodes
+(network namespaces, ``benchmarks/system/testbed.py``) joined by a 150 Mbit/s shaped link (``ethernet``: the
+compute/communication balance of 10 GbE between A100 nodes, scaled to these CPU cores) or an unshaped one (``ib``:
+bandwidth to spare). Every configuration is one ``torchrun`` job per node running
+``benchmarks/system/_throughput_worker.py``, which times every method side by side in the same processes.
 
-    python benchmarks/throughput.py                       # the full run (~30 min): docs/results/throughput.json + PNGs
-    python benchmarks/throughput.py --models tiny-bert --batches tiny-bert=4 --profiles ethernet --rounds 1
-    python benchmarks/throughput.py --local ...            # no namespaces: all ranks on loopback (profile "local")
+    python benchmarks/system/throughput.py      # the full run (~30 min): docs/results/throughput.json + PNGs
+    python benchmarks/system/throughput.py --models tiny-bert --batches tiny-bert=4 --profiles ethernet --rounds 1
+    python benchmarks/system/throughput.py --local ...     # no namespaces: all ranks on loopback (profile "local")
 
 Batch sizes (samples per process): the seed measured 32 and 128 samples per A100. What has to carry over is the
 ratio of compute time to communication time per step. The ethernet link is ~65x slower than 10 GbE (goodput
@@ -39,6 +39,7 @@ from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
+sys.path.insert(0, str(_HERE.parent))  # benchmarks/plots.py
 
 import testbed  # noqa: E402
 
@@ -222,7 +223,7 @@ def run(args) -> dict:
     records = [r for r in map(json.loads, out.read_text().splitlines()) if r["kind"] != "progress"]
     result = {
         "config": {
-            "command": "python benchmarks/throughput.py " + " ".join(args.argv),
+            "command": "python benchmarks/system/throughput.py " + " ".join(args.argv),
             "nodes": args.nodes,
             "nproc_per_node": args.nproc_per_node,
             "threads_per_rank": 1,

@@ -41,8 +41,8 @@ holds; tests skip with its reason in containers without those capabilities.
 
 CLI::
 
-    python benchmarks/testbed.py --profile ethernet --rate-mbit 150 check
-    python benchmarks/testbed.py cleanup          # remove namespaces left by killed runs
+    python benchmarks/system/testbed.py --profile ethernet --rate-mbit 150 check
+    python benchmarks/system/testbed.py cleanup          # remove namespaces left by killed runs
 """
 
 from __future__ import annotations

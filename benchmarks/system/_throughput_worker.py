@@ -1,9 +1,9 @@
 """One rank of a throughput job: DDP training steps of one model under several gradient-communication methods.
 
-Launched by ``benchmarks/throughput.py`` with ``torchrun`` in every node of a testbed (one job per profile and
+Launched by ``benchmarks/system/throughput.py`` with ``torchrun`` in every node of a testbed (one job per profile and
 model), or directly for a quick local check::
 
-    torchrun --standalone --nproc_per_node 2 benchmarks/_throughput_worker.py --model tiny-mlp --batch 4 \
+    torchrun --standalone --nproc_per_node 2 benchmarks/system/_throughput_worker.py --model tiny-mlp --batch 4 \
         --methods fp32-sgdm birder-hierarchical --refs --out /tmp/throughput.jsonl
 
 The machine is shared, and its load drifts by 2x within minutes, so the methods are measured *interleaved*: the
@@ -395,8 +395,8 @@ def warm_codec(solo_topo: Topology, numel: int) -> None:
     u = torch.rand(2 * half) * 2 - 1
     keys = BitKeys(0, 1, [0, 1], [half, half])  # two segments: the per-parameter path of a bucket
     for method in ("allgather", "scatter_gather", "hierarchical"):
-        onebit_all_reduce(u, topology=solo_topo, method=method, generator=keys, stats=CommStats())
-        onebit_all_reduce(u, topology=solo_topo, method=method, generator=7)
+        onebit_all_reduce(u, topology=solo_topo, method=method, keys=keys, stats=CommStats())
+        onebit_all_reduce(u, topology=solo_topo, method=method, keys=7)
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,258 @@
+"""Communicators: what turns every rank's encoded values into the synchronized direction.
+
+Paper: `Birder: Communication-Efficient 1-bit Adaptive Optimizer for Practical Distributed DNN
+Training` (Peng et al., NeurIPS 2023) - https://openreview.net/forum?id=Mlo2kM11ZB
+
+- :class:`HookState`: the base of the DDP communication hooks' states (:class:`birder_hf.BirderHookState`,
+  :class:`birder_hf.OneBitAdamHookState`): the guards every hook needs (one hook per optimizer, parameters the
+  optimizer owns, each parameter once per step), the non-finite agreement, the per-step statistics.
+- :class:`StepAllReduce`: Birder's optimizer-side 1-bit all-reduce, run inside ``optimizer.step()`` (training
+  loops without DDP; sharded parameters).
+
+The protocol between a communicator and its optimizer is in ``birder_hf.base``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from .base import Communicator, OneBitOptimizer, Update, all_finite
+from .collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, CommStats, _check_method, onebit_all_reduce
+from .topology import Topology
+
+__all__ = ["HookState", "StepAllReduce", "agree"]
+
+
+def _nonfinite_flag(t: torch.Tensor) -> torch.Tensor:
+    # min and max propagate NaN and hold +-inf: one reduction pass, no full-size temporary as in ~isfinite(t).all()
+    if t.numel() == 0:
+        return torch.zeros((), dtype=torch.bool, device=t.device)
+    return ~torch.isfinite(torch.stack(torch.aminmax(t))).all()
+
+
+def agree(flags: torch.Tensor, group) -> torch.Tensor:
+    """Element-wise maximum of ``flags`` (float32) over ``group`` (``None``: just this rank): any rank's 1 wins."""
+    if group is not None:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    return flags
+
+
+class Staged(NamedTuple):
+    """What a hook staged for one parameter until ``optimizer.step()``: its group and the optimizer's record."""
+
+    group: dict
+    record: Any
+
+
+class HookState(Communicator):
+    """Base of the DDP communication hooks' states (see the module docstring).
+
+    Subclasses set ``optimizer_class`` and ``hook_name``, call :meth:`_begin_bucket` in the hook, and consume
+    :meth:`finish_step`'s result in their optimizer's ``step()``.
+
+    Attributes:
+        stats (`CommStats`): bytes this rank sent, all steps.
+        last_step_stats (`CommStats`): the same for the last completed ``optimizer.step()``.
+        steps_communicated (`int`): steps the hook communicated and the optimizer applied.
+        skipped_steps (`int`): steps every rank skipped because a rank had a non-finite gradient.
+    """
+
+    optimizer_class: type = OneBitOptimizer
+    hook_name = "the hook"
+
+    __slots__ = (
+        # settings
+        "optimizer",
+        "topology",
+        "check_finite",
+        # per-step buffers
+        "_pending",
+        "_flags",
+        "_step_stats",
+        # statistics
+        "stats",
+        "last_step_stats",
+        "steps_communicated",
+        "skipped_steps",
+    )
+
+    def __init__(self, optimizer, topology: Topology | None = None, *, check_finite: bool = True):
+        name = type(self).__name__
+        if not isinstance(optimizer, self.optimizer_class):
+            raise TypeError(
+                f"{name} needs a birder_hf.{self.optimizer_class.__name__} optimizer, got {type(optimizer).__name__}."
+            )
+        if optimizer.communicator is not None:
+            raise ValueError(
+                f"This {type(optimizer).__name__} optimizer already has a hook state (the hook was registered before) "
+                f"or a communicator; register {self.hook_name} once per model and optimizer."
+            )
+        if topology is not None and not isinstance(topology, Topology):
+            raise TypeError(f"topology must be a birder_hf.Topology, got {type(topology).__name__}.")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(f"{self.hook_name} needs torch.distributed to be initialized (init_process_group).")
+        self.topology = topology if topology is not None else Topology.flat()
+        self.check_finite = bool(check_finite)
+        self._pending: dict[torch.Tensor, Staged] = {}
+        self._flags: list[torch.Tensor] = []
+        self.stats, self.last_step_stats, self._step_stats = CommStats(), CommStats(), CommStats()
+        self.steps_communicated = self.skipped_steps = 0
+        self.attach(optimizer)
+
+    @property
+    def description(self) -> str:
+        """What is registered, for logs (e.g. ``"1-bit hierarchical hook"``)."""
+        return self.hook_name
+
+    def __getstate__(self):
+        raise TypeError(
+            f"{type(self).__name__} holds process groups and is not saved; save the optimizer with "
+            "birder_hf.checkpoint.save_rank_state and create a new hook state after loading."
+        )
+
+    def _begin_bucket(self, bucket) -> list[tuple[torch.Tensor, torch.Tensor, dict]]:
+        """The bucket's ``(parameter, gradient, group)``, checked; counts its fp32 baseline and its finite flag."""
+        opt, buffer = self.optimizer, bucket.buffer()
+        items = []
+        for p, g in zip(bucket.parameters(), bucket.gradients()):
+            group = opt.group_of(p)
+            if group is None:
+                raise RuntimeError(
+                    f"A DDP parameter of shape {tuple(p.shape)} is not in the {type(opt).__name__} optimizer; every "
+                    f"parameter that gets gradients must be optimized by the {type(opt).__name__} instance the hook "
+                    "state was built with."
+                )
+            if p in self._pending:
+                raise RuntimeError(
+                    f"{self.hook_name} saw the same parameter twice before optimizer.step(): for gradient "
+                    "accumulation wrap the micro-batches before the last in model.no_sync() (or use "
+                    "accelerator.accumulate)."
+                )
+            items.append((p, g, group))
+        if self.check_finite:
+            self._flags.append(_nonfinite_flag(buffer))
+        return items
+
+    def _stage(self, p: torch.Tensor, group: dict, record) -> None:
+        self._pending[p] = Staged(group, record)
+
+    def finish_step(self) -> dict[torch.Tensor, Staged] | None:
+        """Called by ``optimizer.step()``: agree with every rank that the step is finite, close its statistics and
+        hand over what the hook staged (``None``: a rank had a non-finite gradient and every rank skips)."""
+        pending, flags = self._pending, self._flags
+        self._pending, self._flags = {}, []
+        step_stats, self._step_stats = self._step_stats, CommStats()
+        self.stats += step_stats
+        self.last_step_stats = step_stats
+        if self.check_finite and pending:
+            dev = next(iter(pending)).device
+            bad = torch.stack(flags).any().to(torch.float32).reshape(1) if flags else torch.zeros(1, device=dev)
+            if agree(bad, self.topology.world_group).item() != 0.0:
+                self.skipped_steps += 1
+                warnings.warn(
+                    f"{type(self.optimizer).__name__}: a rank had a non-finite gradient; every rank skipped the step.",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+                return None
+        unseen = [
+            p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None and p not in pending
+        ]
+        if unseen:
+            p = unseen[0]
+            raise RuntimeError(
+                f"A parameter of shape {tuple(p.shape)} has a gradient but {self.hook_name} did not see it: every "
+                f"parameter {type(self.optimizer).__name__} optimizes must belong to the DDP model the hook is "
+                "registered on."
+            )
+        if pending:
+            self.steps_communicated += 1
+        return pending
+
+
+class StepAllReduce(Communicator):
+    """Birder's optimizer-side 1-bit all-reduce: ``step()`` encodes, all-reduces ``u`` and applies ``d``.
+
+    For training loops without DDP (each rank computes its own gradient) and for sharded parameters. Every rank
+    takes part in the same collectives with the same sizes, whatever gradients it has: one small all-reduce first
+    agrees on which parameters have a gradient on any rank (a rank without one contributes ``g = 0``) and whether
+    any rank's gradient is non-finite (then every rank skips the step); then one ``onebit_all_reduce`` of the
+    concatenated ``u`` of those parameters.
+
+    Args:
+        topology (`Topology`, *optional*): the ranks and their nodes; default ``Topology.flat(process_group)``.
+        process_group (`ProcessGroup`, *optional*): the ranks, when no ``topology`` is given.
+        method (`str`, *optional*, defaults to `"hierarchical"`): the ``onebit_all_reduce`` method.
+        inter_method (`str`, *optional*, defaults to `"allgather"`): hierarchical only.
+        chunk_numel (`int`, *optional*): bound on the elements per collective.
+    """
+
+    def __init__(
+        self,
+        *,
+        topology: Topology | None = None,
+        process_group=None,
+        method: str | None = None,
+        inter_method: str = DEFAULT_INTER_METHOD,
+        chunk_numel: int | None = None,
+    ):
+        method = DEFAULT_METHOD if method is None else method
+        _check_method(method, inter_method)
+        if topology is None:
+            topology = Topology.flat(process_group)
+        elif not isinstance(topology, Topology):
+            raise TypeError(f"topology must be a birder_hf.Topology, got {type(topology).__name__}.")
+        self.topology, self.method, self.inter_method, self.chunk_numel = topology, method, inter_method, chunk_numel
+        self.stats = CommStats()
+
+    def finish_step(self) -> list[Update] | None:
+        opt = self.optimizer
+        params = [p for g in opt.param_groups for p in g["params"]]
+        grads = {p: p.grad for gg in opt.gradients() for p in gg.params}
+        # [non-finite on any rank, then: has a gradient on any rank, per parameter]
+        flags = torch.zeros(1 + len(params), dtype=torch.float32)
+        flags[0] = 0.0 if all_finite(list(grads.values())) else 1.0
+        flags[1:] = torch.tensor([p in grads for p in params], dtype=torch.float32)
+        dev = params[0].device if params else torch.device("cpu")
+        flags = agree(flags.to(dev), self.topology.world_group).cpu()
+        if flags[0] != 0:
+            warnings.warn(
+                "Birder: a rank had a non-finite gradient; every rank skipped this step.", RuntimeWarning, stacklevel=4
+            )
+            return None
+        used = {p for p, f in zip(params, flags[1:].tolist()) if f}
+        batch, us = [], []
+        for group in opt.param_groups:
+            ps = [p for p in group["params"] if p in used]
+            if not ps:
+                continue
+            gs = [grads[p] if p in grads else torch.zeros_like(p) for p in ps]
+            batch.append((group, ps))
+            us += opt.encode(group, ps, gs)
+        if not batch:
+            return []
+        ordered = [p for _, ps in batch for p in ps]
+        keys = opt.bit_keys(ordered, [int(opt.state[p]["step"]) for p in ordered])
+        flat = torch.cat([u.reshape(-1) for u in us])
+        d = onebit_all_reduce(
+            flat,
+            topology=self.topology,
+            method=self.method,
+            inter_method=self.inter_method,
+            keys=keys,
+            chunk_numel=self.chunk_numel,
+            stats=self.stats,
+            out=flat,
+        )
+        updates, offset = [], 0
+        for group, ps in batch:
+            ds = []
+            for p in ps:
+                ds.append(d[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+            updates.append(Update(group, ps, ds))
+        return updates
