@@ -132,11 +132,7 @@ def _numeric_cells(rows):
                 yield cell, parts
 
 
-MARKED = [
-    (doc, m.group(1), m.start())
-    for doc in DOCS
-    for m in re.finditer(r"<!-- numbers: ([^>]+?) -->", _text(doc))
-]
+MARKED = [(doc, m.group(1), m.start()) for doc in DOCS for m in re.finditer(r"<!-- numbers: ([^>]+?) -->", _text(doc))]
 
 
 def test_docs_mark_their_measured_tables():
