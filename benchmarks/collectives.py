@@ -4,8 +4,8 @@
 
 Forks ``--world-size`` gloo ranks on this host (one thread each). The hierarchical rows simulate
 ``2 nodes x world/2`` with ``Topology.from_layout``; on one host every link is loopback, so these
-numbers show the codec's cost next to the bytes saved, not a real inter-node gain (FACTS.md: the
-benchmark testbed shapes links for that). Each repetition runs every method once, in turn, after a
+numbers show the codec's cost next to the bytes saved, not a real inter-node gain (the network-namespace
+testbed of docs/BENCHMARKS.md shapes links for that). Each repetition runs every method once, in turn, after a
 barrier; a method's time is that of its slowest rank; the table gives the median over repetitions.
 "cpu ms" is the CPU time of all ranks together (``time.process_time``, every thread of each rank) for one
 call: on an oversubscribed or shared machine it measures the local compute better than the wall time.

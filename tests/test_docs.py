@@ -1,0 +1,206 @@
+"""The docs' checkable claims stay true: wire volumes, numbers quoted from docs/results, cited tests, the license.
+
+Conventions the docs follow (and this file enforces):
+- a table preceded by ``<!-- numbers: docs/results/<file>[, docs/results/<file>...] -->`` quotes measured numbers:
+  every numeric cell must appear, as rounded, in one of those files;
+- every ``docs/results/<file>`` and ``tests/<file>.py[::test]`` a doc names exists;
+- the docs stand alone: no machine paths, no references to notes outside the repository.
+"""
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from birder_hf.collectives import expected_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", ROOT / "recipes" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+RESULTS = ROOT / "docs" / "results"
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+NUMBER = re.compile(r"(?<![\w.])-?\d[\d,]*(?:\.\d+)?(?:e-?\d+)?(?![\w.])")
+
+
+def _text(path):
+    return path.read_text(encoding="utf-8")
+
+
+def _table_after(text, marker):
+    """Rows (lists of cells) of the markdown table that follows ``marker``, header and separator excluded."""
+    lines = text[text.index(marker) :].splitlines()[1:]
+    rows = []
+    for line in lines:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return rows[2:]
+
+
+# --------------------------------------------------------------------------------------- wire volume
+
+
+def _bits(method, layout, inter_method="allgather"):
+    """Bits per parameter per step one rank sends, total and between nodes."""
+    d = 2**22  # a multiple of every method's alignment for these layouts: no padding
+    b = expected_bytes("allgather" if method == "fp32" else method, d, layout, inter_method=inter_method)
+    if method == "fp32":
+        return 8 * b["fp32_allreduce_bytes"] / d, None
+    return 8 * (b["intra_node_bytes"] + b["inter_node_bytes"]) / d, 8 * b["inter_node_bytes"] / d
+
+
+def test_readme_wire_volume_table_is_what_expected_bytes_computes():
+    rows = _table_after(README, "<!-- wire-volume table")
+    methods = {"fp32 DDP (baseline)": "fp32", "`allgather`": "allgather", "`scatter_gather`": "scatter_gather"}
+    seen = set()
+    for cells in rows:
+        method = methods.get(cells[0], "hierarchical" if cells[0].startswith("`hierarchical`") else None)
+        assert method is not None, cells
+        seen.add(method)
+        for layout, (total, inter) in zip([(2, 2), (4, 8)], [cells[2:4], cells[4:6]]):
+            want_total, want_inter = _bits(method, layout)
+            assert float(total) == want_total, (method, layout)
+            assert (inter == "") if want_inter is None else (float(inter) == want_inter), (method, layout)
+    assert seen == {"fp32", "allgather", "scatter_gather", "hierarchical"}
+
+
+def test_readme_headline_volume_and_main_job_output_are_the_stored_run():
+    total, inter = _bits("hierarchical", (2, 2))
+    fp32, _ = _bits("fp32", (2, 2))
+    flat = " ".join(README.split())
+    assert f"2 nodes × 2 ranks, {total:g} bits per parameter ({inter:g} of them between nodes)" in flat
+    assert f"sends {fp32:g}, {fp32 / total:g}× less" in flat
+    # the two lines README quotes are the stored reference run's, and its counters give the same volume
+    stored = _text(RESULTS / "readme_main_job.txt")
+    quoted = re.findall(r"`(EM [^`]+|bytes sent per rank:[^`]+)`", README.replace("\n", " "))
+    quoted = [q for q in quoted if "{" not in q]  # not the code
+    assert len(quoted) == 2
+    for line in quoted:
+        assert line in stored.replace("\n", " "), line
+    res = json.loads(_text(RESULTS / "readme_main_job.json"))
+    sent = res["comm/intra_node_bytes"] + res["comm/inter_node_bytes"]
+    assert f"EM {res['eval_exact_match']:.1f}  F1 {res['eval_f1']:.1f}" in quoted[0]
+    assert f"{sent / 1e6:.2f} MB (inter-node {res['comm/inter_node_bytes'] / 1e6:.2f} MB)" in quoted[1]
+    assert res["comm/fp32_allreduce_bytes"] / sent == pytest.approx(fp32 / total, rel=1e-4)  # padding aside
+    assert res["comm/inter_node_bytes"] / sent == pytest.approx(inter / total, rel=1e-4)
+
+
+# ----------------------------------------------------------------------------- stored results, citations
+
+
+def _numbers_in(path):
+    text = _text(path)
+    if path.suffix != ".json":
+        return [float(x.replace(",", "")) for x in NUMBER.findall(text)]
+    out = []
+
+    def walk(v):
+        if isinstance(v, bool):
+            return
+        if isinstance(v, (int, float)):
+            out.append(float(v))
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, list):
+            for x in v:
+                walk(x)
+
+    walk(json.loads(text))
+    return out
+
+
+def _quoted(token, values):
+    """``token`` as written (e.g. "6.87", "150,000,000", "1e-3") is one of ``values`` rounded to its digits."""
+    x = float(token.replace(",", ""))
+    decimals = len(token.split(".")[1]) if "." in token and "e" not in token else 0
+    tol = 0.5 * 10**-decimals + 1e-9 if "e" not in token else 1e-12
+    return any(math.isclose(v, x, abs_tol=tol) for v in values)
+
+
+UNITS = re.compile(r"\*\*|`|×|(?<=\d) ?(?:s|ms|MB|%)(?!\w)|^(?:F1|top-1) ")
+
+
+def _numeric_cells(rows):
+    for cells in rows:
+        for cell in cells:
+            stripped = UNITS.sub("", cell).strip()
+            parts = [p.strip() for p in re.split(r" / | ± ", stripped)]
+            if stripped and all(NUMBER.fullmatch(p) for p in parts):
+                yield cell, parts
+
+
+MARKED = [(doc, m.group(1), m.start()) for doc in DOCS for m in re.finditer(r"<!-- numbers: ([^>]+?) -->", _text(doc))]
+
+
+def test_docs_mark_their_measured_tables():
+    # the tables of measured numbers in BENCHMARKS.md and CONVERGENCE.md carry a marker
+    marked = {(doc.name, files) for doc, files, _ in MARKED}
+    assert {d for d, _ in marked} >= {"BENCHMARKS.md", "CONVERGENCE.md"}
+    assert len(MARKED) >= 7
+
+
+@pytest.mark.parametrize(
+    "doc, files, at", MARKED, ids=[f"{d.name}:{_text(d)[:a].count(chr(10)) + 1}" for d, _, a in MARKED]
+)
+def test_marked_table_numbers_are_in_the_cited_results(doc, files, at):
+    values = []
+    for name in files.split(","):
+        path = ROOT / name.strip()
+        assert path.is_file() and path.parent == RESULTS, name
+        values += _numbers_in(path)
+    text = _text(doc)
+    rows = _table_after(text[at:], "<!--")
+    assert rows, f"no table after the marker at {doc.name}:{at}"
+    checked = 0
+    for cell, parts in _numeric_cells(rows):
+        for p in parts:
+            assert _quoted(p, values), f"{doc.name}: {p!r} (cell {cell!r}) is not in {files}"
+            checked += 1
+    assert checked >= 4
+
+
+def test_cited_result_files_and_tests_exist():
+    for doc in DOCS:
+        text = _text(doc)
+        for name in re.findall(r"(?:docs/)?results/([\w.-]+\.(?:json|md|png|txt))", text):
+            assert (RESULTS / name).is_file(), f"{doc.name} cites docs/results/{name}"
+        for path, test in re.findall(r"(tests/[\w/]+\.py)(?:::(\w+))?", text):
+            assert (ROOT / path).is_file(), f"{doc.name} cites {path}"
+            if test:
+                assert re.search(rf"^def {test}\(", _text(ROOT / path), re.M), f"{doc.name} cites {path}::{test}"
+
+
+def test_convergence_tables_are_the_stored_ones():
+    stored = _text(RESULTS / "convergence_table.md")
+    doc = _text(ROOT / "docs" / "CONVERGENCE.md")
+    rows = [line for line in stored.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) >= 10
+    for row in rows:
+        assert row in doc, row
+
+
+def test_docs_stand_alone():
+    # no paths of the machine the docs were written on, no notes outside the repository
+    bad = re.compile(r"/work/|/root/|/home/|\.\./shared|project notes|FACTS\.md|DESIGN(?:\.md| table)")
+    for doc in DOCS:
+        for n, line in enumerate(_text(doc).splitlines(), 1):
+            assert not bad.search(line), f"{doc.relative_to(ROOT)}:{n}: {line.strip()}"
+
+
+# ---------------------------------------------------------------------------------------------- license
+
+
+def test_license_text_ships_in_the_distribution():
+    tomllib = pytest.importorskip("tomllib")
+    text = _text(ROOT / "LICENSE")
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION" in text
+    meta = tomllib.loads(_text(ROOT / "pyproject.toml"))
+    project = meta["project"]
+    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
+    # PEP 639 license expressions and license-files need hatchling 1.27
+    assert any(re.fullmatch(r"hatchling>=1\.(2[7-9]|[3-9]\d)(\.\d+)?", r) for r in meta["build-system"]["requires"])
+    assert "@inproceedings{birder2023" in README  # the citation stays in the README
