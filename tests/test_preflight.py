@@ -173,7 +173,7 @@ def test_two_simulated_nodes_pass_and_report_bandwidth_and_saving(runs):
     for link in ("intra-node       2", "inter-node       2", "all ranks        4"):
         assert link in table and "Gbit/s" in table
     # 110M parameters on 2 x 2: bytes per expected_bytes(): 660.0 MB fp32 vs 27.5 MB for Birder, 24.0x
-    assert "expected communication per step for 110.0M parameters (an estimate" in table
+    assert "expected communication per step for 110.0M parameters\n  (an estimate: bytes / measured" in table
     assert "660.0 MB sent per rank" in table and "27.5 MB sent per rank" in table
     assert "saving: 24.0x fewer bytes" in table and "less communication time (estimate)" in table
     assert node1.out == ""  # only rank 0 reports
@@ -282,3 +282,40 @@ def test_two_hosts_in_network_namespaces_measure_the_shaped_link():
     assert 0.5 * rate / 1e3 < gbit < 1.2 * rate / 1e3, gbit  # the veth's tbf rate, seen from the all-reduce
     assert "intra" not in report["links"] and report["estimate"]["time_saving"] > 1
 
+
+def _doc_commands(text: str, prefix: str, markdown: bool) -> list[str]:
+    # shell lines that run `prefix` (in ```bash blocks of a markdown file), with their continuation lines
+    lines, out, in_bash = text.splitlines(), [], not markdown
+    for i, line in enumerate(lines):
+        if markdown and line.startswith("```"):
+            in_bash = line.strip() == "```bash"
+        if in_bash and prefix in line and not line.lstrip().startswith("#"):
+            cmd = line[line.index(prefix) :]
+            while cmd.rstrip().endswith("\\"):
+                i += 1
+                cmd = cmd.rstrip()[:-1] + " " + lines[i].strip()
+            out.append(cmd)
+    return out
+
+
+@pytest.mark.parametrize("doc", ["README.md", "recipes/README.md", "accelerate_configs/slurm_multi_node.sh"])
+def test_docs_show_preflight_next_to_every_multi_node_launch_and_its_lines_parse(doc, monkeypatch):
+    text = (ROOT / doc).read_text(encoding="utf-8")
+    md = doc.endswith(".md")
+    launches = [c for c in _doc_commands(text, "accelerate launch", md) if "multi_node" in c or "--num_machines" in c]
+    checks = _doc_commands(text, "birder-hf preflight", md)
+    assert launches and len(checks) >= len(launches), (launches, checks)
+    for launch in launches:  # each launch's layout source (config file or --num_machines) has its preflight
+        source = next(w for w in launch.split() if "multi_node" in w or w == "--num_machines")
+        assert any(source in c or (source == "--num_machines" and "--nnodes" in c) for c in checks), launch
+    shell = {"NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1", "IP_OF_NODE0": "10.0.0.1", "FREEPORT": "29500", "rank": "1"}
+    shell.update({"SLURM_NODEID": "1", "MASTER_PORT": "29500"})
+    monkeypatch.chdir(ROOT)
+    for cmd in checks:
+        for name, value in shell.items():
+            cmd = cmd.replace(f'"${name}"', value).replace(f"${name}", value)
+        argv = cmd.rstrip("'").split()[2:]
+        argv = argv[: argv.index("&")] if "&" in argv else argv
+        assert not any("$" in a for a in argv), argv
+        cfg = preflight._config(preflight._parser().parse_args(argv), {})
+        assert cfg.nnodes > 1 and cfg.node_rank in (0, 1) and cfg.master_addr, cmd

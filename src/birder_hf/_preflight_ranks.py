@@ -400,7 +400,8 @@ def render(r: dict) -> str:
     lines += [
         f"  1-bit hierarchical all-reduce of {ob['numel']} elements: {_fmt_seconds(ob['seconds'])}",
         "",
-        f"expected communication per step for {est['params'] / 1e6:.1f}M parameters (an estimate: {est['note']})",
+        f"expected communication per step for {est['params'] / 1e6:.1f}M parameters",
+        f"  (an estimate: {est['note']})",
         f"  fp32 all-reduce       {_fmt_bytes(est['fp32_allreduce_bytes']):>10} sent per rank  "
         f"{_fmt_seconds(est['fp32_seconds']):>10}",
         f"  Birder hierarchical   {_fmt_bytes(est['birder_intra_node_bytes'] + est['birder_inter_node_bytes']):>10} "
