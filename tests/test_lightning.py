@@ -185,6 +185,8 @@ def test_checkpoint_seams_in_one_process(tmp_path):
     strategy.save_checkpoint({"state_dict": {}}, tmp_path / "weights.ckpt")  # save_weights_only: no Birder state
     assert not os.path.exists(birder_state_dir(tmp_path / "weights.ckpt"))
 
+    strategy.remove_checkpoint(link)  # removing the link keeps the target's state
+    assert not link.is_symlink() and path.exists() and os.path.isdir(birder_state_dir(path))
     strategy.remove_checkpoint(path)
     assert not path.exists() and not os.path.exists(birder_state_dir(path))
 

@@ -267,10 +267,12 @@ class BirderDDPStrategy(DDPStrategy):
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def remove_checkpoint(self, filepath) -> None:
-        folder = birder_state_dir(filepath)
+        # a symlink (save_last="link") goes alone: its target keeps its Birder state
+        folder = None if os.path.islink(filepath) else birder_state_dir(filepath)
         super().remove_checkpoint(filepath)
-        # every rank removes the folder (each node its own copy on a non-shared disk); racing removals are harmless
-        shutil.rmtree(folder, ignore_errors=True)
+        if folder is not None:
+            # every rank removes it (each node its own copy on a non-shared disk); racing removals are harmless
+            shutil.rmtree(folder, ignore_errors=True)
 
     def load_checkpoint(self, checkpoint_path, *args: Any, **kwargs: Any) -> dict[str, Any]:
         self._resume_checkpoint = os.fspath(checkpoint_path)
