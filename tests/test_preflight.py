@@ -274,7 +274,13 @@ def test_two_hosts_in_network_namespaces_measure_the_shaped_link():
         args = ["--nnodes", 2, "--nproc_per_node", 1, "--master_addr", tb.addr(0), "--master_port", port]
         args += ["--timeout", 60, "--size_mb", 1, "--iters", 3, "--json"]
         runs = [_Run([*args, "--node_rank", n], popen=lambda cmd, n=n, **kw: tb.popen(n, cmd, **kw)) for n in (0, 1)]
+        # a wrong address (TEST-NET-1: no route inside the namespace, nothing leaves it), default --timeout
+        wrong = ["--nnodes", 2, "--node_rank", 1, "--nproc_per_node", 1, "--master_addr", "192.0.2.1"]
+        lost = _Run(wrong, popen=lambda cmd, **kw: tb.popen(1, cmd, **kw))
         results = [r.result() for r in runs]
+        lost.result()
+    assert lost.code == preflight.EXIT_CODES["reach"] and lost.elapsed < 30, (lost.elapsed, lost.err)
+    assert "cannot connect to the master 192.0.2.1:29500" in lost.err
     assert all(r.code == 0 for r in results), [r.err for r in results]
     report = json.loads(results[0].out.strip().splitlines()[-1])
     assert report["ok"] and report["interfaces"] == [f"GLOO_SOCKET_IFNAME={tb.ifname(0)}"]

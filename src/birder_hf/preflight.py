@@ -461,4 +461,6 @@ def cli(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from birder_hf.preflight import main as _main  # one copy of this module (and of PreflightError) per process
+
+    sys.exit(_main())
