@@ -345,8 +345,8 @@ def run_rank(cfg: Config) -> int:
     if store is not None:
         with contextlib.suppress(Exception):
             store.add("exited", 1)
-        if hosts:  # the store lives in this process: let every rank finish with it first
-            _wait_for(store, "exited", world if code == 0 else store.add("joined", 0), cfg.timeout)
+            if hosts:  # the store lives in this process: let every rank that joined finish with it first
+                _wait_for(store, "exited", world if code == 0 else store.add("joined", 0), cfg.timeout)
     if dist.is_initialized():
         if code:  # peers may be stuck in a collective; tearing the group down could block: leave now
             sys.stdout.flush()

@@ -214,7 +214,8 @@ def _config(args: argparse.Namespace, env) -> Config:
         raise PreflightError("arguments", f"--master_port {master_port} is not a TCP port (1..65535)")
     if nproc is not None and int(nproc) < 1:
         raise PreflightError("arguments", f"--nproc_per_node {nproc} must be at least 1")
-    for name, value in (("size_mb", args.size_mb), ("timeout", args.timeout), ("iters", args.iters)):
+    positive = {"size_mb": args.size_mb, "timeout": args.timeout, "iters": args.iters, "params": args.params}
+    for name, value in {**positive, "onebit_numel": args.onebit_numel}.items():
         if value <= 0:
             raise PreflightError("arguments", f"--{name} {value} must be positive")
     cfg = Config(
