@@ -1,0 +1,299 @@
+"""Birder with PyTorch Lightning: ``Trainer(strategy=BirderDDPStrategy(method="hierarchical"))``.
+
+Paper: `Birder: Communication-Efficient 1-bit Adaptive Optimizer for Practical Distributed DNN
+Training` (Peng et al., NeurIPS 2023) - https://openreview.net/forum?id=Mlo2kM11ZB
+
+The LightningModule returns a :class:`birder_hf.Birder` (or :class:`birder_hf.OneBitAdam`) from
+``configure_optimizers``; the strategy does the rest::
+
+    trainer = Trainer(accelerator="gpu", devices=8, num_nodes=4, strategy=BirderDDPStrategy(method="hierarchical"))
+    trainer.fit(model)                      # 1 bit per parameter per step crosses the network
+    trainer.fit(model, ckpt_path="last")    # every rank resumes from its own Birder state
+
+Why a strategy subclass: ``DDPStrategy(ddp_comm_hook=..., ddp_comm_state=...)`` registers the hook while it
+wraps the model, before ``configure_optimizers`` runs (and, in Lightning 2.6, only on CUDA), so a hook state
+that needs the optimizer cannot be passed there. ``BirderDDPStrategy.setup`` registers the 1-bit hook right
+after Lightning's own setup, once the optimizer exists, on CPU (gloo) and CUDA (NCCL) alike. The seams it
+uses are public ``Strategy`` methods:
+
+- ``setup``: refuses what cannot work (below), builds the topology from Lightning's own view
+  (``num_nodes`` x ``devices``, node-major ranks) and registers ``birder_hook`` / ``onebit_adam_hook``;
+- ``optimizer_step``: logs the communication statistics (``birder/bytes_sent``, ``birder/compression_ratio``,
+  ...; ``onebit_adam/...`` for 1-bit Adam) through ``LightningModule.log``, so every Lightning logger gets them;
+- ``save_checkpoint`` / ``remove_checkpoint``: Lightning writes rank 0's optimizer state only; every rank also
+  writes its own Birder state beside the checkpoint, in ``<checkpoint>.birder/`` (``birder_state_dir``; the
+  files inside are ``birder_hf.checkpoint``'s usual ``birder/rank_00003-of-00008.pt``), and removes it with
+  the checkpoint (``ModelCheckpoint(save_top_k=...)``);
+- ``load_checkpoint`` / ``load_optimizer_state_dict``: after Lightning loaded rank 0's optimizer state into
+  every rank, each rank loads its own, so ``fit(ckpt_path=...)`` continues bit for bit. A checkpoint without
+  that folder is an error, never a silent reset to rank 0's state.
+
+Refused at setup, each with a ``ValueError``/``TypeError`` that says how to fix it: fp16 precision
+(``"16-mixed"``/``"16-true"``: use ``"bf16-mixed"``), ``gradient_clip_val`` (after the hook ``.grad`` holds the
+direction ``d``, whose step is already bounded by ``lr``), an optimizer that is not Birder/OneBitAdam, several
+optimizers (also under manual optimization), and, at construction, a second hook (``ddp_comm_hook``,
+``ddp_comm_state``, ``ddp_comm_wrapper``) or post-local SGD (``model_averaging_period``). Other strategies
+(``"ddp"``, FSDP, DeepSpeed) have no 1-bit path: with ``strategy="ddp"`` Birder trains on fp32 all-reduced
+gradients and warns once.
+
+Gradient accumulation: ``Trainer(accumulate_grad_batches=N)`` runs the first N-1 micro-batches under DDP's
+``no_sync``; the hook sees the accumulated gradient once per optimizer step.
+
+Local checkpoints only: the per-rank files are written with plain file I/O (a local or mounted directory);
+Lightning's ``.ckpt`` itself may go anywhere its ``CheckpointIO`` supports.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+from ..checkpoint import read_rank_state, save_rank_state
+from ..collectives import INTER_METHODS, METHODS
+from ..hook import BirderHookState, birder_hook
+from ..onebit_adam import OneBitAdam, OneBitAdamHookState, onebit_adam_hook
+from ..optim import Birder
+from ..topology import Topology
+
+try:
+    from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.trainer.states import TrainerFn
+    from lightning.pytorch.utilities import rank_zero_info
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "birder_hf.integrations.lightning needs PyTorch Lightning: pip install 'birder-hf[lightning]'"
+    ) from exc
+
+__all__ = ["BirderDDPStrategy", "birder_state_dir"]
+
+_ONE_BIT = (Birder, OneBitAdam)
+# fp16 needs loss scaling, and a scaled step that the scaler skips would already have moved m and b.
+# Remove this one check when Birder supports GradScaler.
+_FP16_PRECISIONS = ("16-mixed", "16-true")
+
+
+def birder_state_dir(checkpoint_path: str | os.PathLike) -> str:
+    """The folder that holds every rank's Birder state for the Lightning checkpoint ``checkpoint_path``.
+
+    ``epoch=3-step=80.ckpt`` -> ``epoch=3-step=80.ckpt.birder`` (files inside: ``birder/rank_RRRRR-of-WWWWW.pt``).
+    A symlinked checkpoint (``ModelCheckpoint(save_last="link")``) resolves to its target first.
+    """
+    path = os.fspath(checkpoint_path)
+    if "://" in path:
+        raise ValueError(
+            f"BirderDDPStrategy writes each rank's optimizer state with local file I/O, but the checkpoint path "
+            f"{path!r} is a remote URL; save checkpoints to a local or mounted directory "
+            "(ModelCheckpoint(dirpath=...))."
+        )
+    return os.path.realpath(path) + ".birder"
+
+
+def _check_trainer_settings(precision: str, gradient_clip_val: float | None) -> None:
+    if str(precision) in _FP16_PRECISIONS:
+        raise ValueError(
+            f"BirderDDPStrategy does not support precision={precision!r}: fp16 needs loss scaling, and a step the "
+            "scaler skips would corrupt Birder's m and b. Use Trainer(precision='bf16-mixed') (or 'bf16-true')."
+        )
+    if gradient_clip_val is not None and gradient_clip_val > 0:
+        raise ValueError(
+            f"Trainer(gradient_clip_val={gradient_clip_val}) would clip .grad after the 1-bit hook, where it holds "
+            "Birder's direction d; every step is already bounded by lr by construction. Remove gradient_clip_val."
+        )
+
+
+def _one_bit_optimizer(optimizers: list, automatic_optimization: bool) -> Birder | OneBitAdam:
+    if len(optimizers) != 1:
+        mode = "automatic" if automatic_optimization else "manual"
+        raise ValueError(
+            "BirderDDPStrategy needs exactly one optimizer, a birder_hf.Birder or OneBitAdam, but "
+            f"configure_optimizers returned {len(optimizers)} ({mode} optimization). DDP allows one communication "
+            "hook per model and the hook sends one optimizer's 1-bit direction for every parameter: put all "
+            "parameters into one Birder (param groups may differ in lr and weight_decay)."
+        )
+    opt = optimizers[0]
+    if not isinstance(opt, _ONE_BIT):
+        raise TypeError(
+            f"BirderDDPStrategy needs configure_optimizers to return a birder_hf.Birder (or OneBitAdam), got "
+            f"{type(opt).__name__}. Return Birder(self.parameters(), lr=..., beta=0.95), or use strategy='ddp' for "
+            "other optimizers."
+        )
+    return opt
+
+
+def _comm_metrics(state) -> dict[str, float]:
+    if isinstance(state, BirderHookState):
+        if not state.steps_communicated:
+            return {}
+        prefix, extra = "birder/", {"birder/skipped_steps": state.skipped_steps}
+    else:
+        if not state.warmup_steps + state.compressed_steps:
+            return {}
+        prefix, extra = "onebit_adam/", {"onebit_adam/compressed_steps": state.compressed_steps}
+    s = state.stats
+    out = {
+        prefix + "bytes_sent": s.total_bytes,
+        prefix + "intra_node_bytes": s.intra_node_bytes,
+        prefix + "inter_node_bytes": s.inter_node_bytes,
+        prefix + "fp32_allreduce_bytes": s.fp32_allreduce_bytes,
+        prefix + "compression_ratio": s.compression_ratio,
+        **extra,
+    }
+    return {k: float(v) for k, v in out.items()}
+
+
+class BirderDDPStrategy(DDPStrategy):
+    """``DDPStrategy`` that trains with Birder's 1-bit hook (see the module docstring).
+
+    Args:
+        method (`str`, *optional*, defaults to `"hierarchical"`): the 1-bit all-reduce: ``"hierarchical"``,
+            ``"allgather"`` or ``"scatter_gather"`` (``birder_hf.onebit_all_reduce``). Ignored for OneBitAdam.
+        inter_method (`str`, *optional*, defaults to `"allgather"`): the inter-node exchange of ``"hierarchical"``.
+        chunk_numel (`int`, *optional*): bound on the elements per collective (receive buffers).
+        hierarchy_num_nodes (`int`, *optional*): how many nodes Birder's hierarchy assumes; defaults to the
+            Trainer's ``num_nodes``. Set it to simulate nodes on one machine (``devices=2`` and
+            ``hierarchy_num_nodes=2`` make 2 nodes x 1 rank); it must divide the world size.
+        log_comm_stats (`bool`, *optional*, defaults to `True`): log bytes sent and the compression ratio
+            every step through ``LightningModule.log`` (subject to ``Trainer(log_every_n_steps=...)``).
+        **kwargs: everything ``DDPStrategy`` takes (``find_unused_parameters``, ``static_graph``, ``timeout``,
+            ``process_group_backend``, ...), except a second communication hook.
+
+    Attributes:
+        birder_hook_state: the ``BirderHookState`` (or ``OneBitAdamHookState``) of the current fit, ``None``
+            in a single process; its ``stats`` hold the bytes sent. Kept after ``fit()`` returns.
+
+    Example::
+
+        >>> trainer = Trainer(accelerator="cpu", devices=2, strategy=BirderDDPStrategy(method="hierarchical"))
+        >>> trainer.fit(model)   # model.configure_optimizers() returns Birder(self.parameters(), lr=1e-3)
+    """
+
+    strategy_name = "birder_ddp"
+
+    def __init__(
+        self,
+        method: str = "hierarchical",
+        *,
+        inter_method: str = "allgather",
+        chunk_numel: int | None = None,
+        hierarchy_num_nodes: int | None = None,
+        log_comm_stats: bool = True,
+        **kwargs: Any,
+    ):
+        for name in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper"):
+            if kwargs.get(name) is not None:
+                raise ValueError(
+                    f"BirderDDPStrategy registers Birder's 1-bit hook itself and DDP allows one hook per model; drop "
+                    f"{name}=... (or use DDPStrategy for another hook)."
+                )
+        if kwargs.get("model_averaging_period") is not None:
+            raise ValueError(
+                "model_averaging_period asks for post-local SGD, which averages parameters instead of gradients and "
+                "cannot be combined with Birder's 1-bit hook; drop it."
+            )
+        if method not in METHODS:
+            raise ValueError(f"Unknown method {method!r}; choose one of {', '.join(METHODS)}.")
+        if inter_method not in INTER_METHODS:
+            raise ValueError(f"Unknown inter_method {inter_method!r}; choose one of {', '.join(INTER_METHODS)}.")
+        if hierarchy_num_nodes is not None and int(hierarchy_num_nodes) < 1:
+            raise ValueError(f"hierarchy_num_nodes={hierarchy_num_nodes} must be a positive number of nodes.")
+        super().__init__(**kwargs)
+        self.method, self.inter_method, self.chunk_numel = method, inter_method, chunk_numel
+        self.hierarchy_num_nodes = hierarchy_num_nodes
+        self.log_comm_stats = log_comm_stats
+        self.birder_hook_state: BirderHookState | OneBitAdamHookState | None = None
+        self._resume_checkpoint: str | None = None
+
+    # ----------------------------------------------------------------------------------------- setup
+    def setup(self, trainer) -> None:
+        _check_trainer_settings(trainer.precision, trainer.gradient_clip_val)
+        self.birder_hook_state = None
+        super().setup(trainer)  # wraps the model in DDP, then calls configure_optimizers
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        opt = _one_bit_optimizer(self.optimizers, self.lightning_module.automatic_optimization)
+        if self.world_size == 1:
+            rank_zero_info(f"{type(opt).__name__}: single process, no gradient communication to compress.")
+            return
+        self.birder_hook_state = self._register_hook(opt)
+
+    def topology(self) -> Topology:
+        """Birder's topology from Lightning's view: ``num_nodes`` x ``devices`` (collective: every rank calls it)."""
+        if self.hierarchy_num_nodes is None:
+            return Topology.from_layout(self.num_nodes, self.num_processes)
+        k = int(self.hierarchy_num_nodes)
+        if self.world_size % k:
+            raise ValueError(
+                f"hierarchy_num_nodes={k} does not divide the world size {self.world_size} "
+                f"({self.num_nodes} nodes x {self.num_processes} devices); choose a divisor."
+            )
+        return Topology.from_layout(k, self.world_size // k)
+
+    def _register_hook(self, opt: Birder | OneBitAdam):
+        topology = self.topology()
+        if isinstance(opt, OneBitAdam):
+            state, hook, what = OneBitAdamHookState(opt, topology=topology), onebit_adam_hook, "1-bit Adam hook"
+        else:
+            state = BirderHookState(
+                opt,
+                topology=topology,
+                method=self.method,
+                inter_method=self.inter_method,
+                chunk_numel=self.chunk_numel,
+            )
+            hook, what = birder_hook, f"1-bit {self.method} hook"
+        self.model.register_comm_hook(state, hook)
+        rank_zero_info(f"{type(opt).__name__}: {what} registered on {topology!r}")
+        return state
+
+    # ----------------------------------------------------------------------------------------- steps
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.log_comm_stats and self.birder_hook_state is not None:
+            metrics = _comm_metrics(self.birder_hook_state)
+            if metrics:
+                self.lightning_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+        return output
+
+    # ------------------------------------------------------------------------------------ checkpoints
+    def _one_bit_optimizer_or_none(self) -> Birder | OneBitAdam | None:
+        opts = self.optimizers
+        return opts[0] if len(opts) == 1 and isinstance(opts[0], _ONE_BIT) else None
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        opt = self._one_bit_optimizer_or_none()
+        if opt is not None and "optimizer_states" in checkpoint:  # not save_weights_only
+            save_rank_state(opt, birder_state_dir(filepath), rank=self.global_rank, world_size=self.world_size)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def remove_checkpoint(self, filepath) -> None:
+        # a symlink (save_last="link") goes alone: its target keeps its Birder state
+        folder = None if os.path.islink(filepath) else birder_state_dir(filepath)
+        super().remove_checkpoint(filepath)
+        if folder is not None:
+            # every rank removes it (each node its own copy on a non-shared disk); racing removals are harmless
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def load_checkpoint(self, checkpoint_path, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        self._resume_checkpoint = os.fspath(checkpoint_path)
+        return super().load_checkpoint(checkpoint_path, *args, **kwargs)
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        super().load_optimizer_state_dict(checkpoint)  # rank 0's state, on every rank
+        opt, path = self._one_bit_optimizer_or_none(), self._resume_checkpoint
+        if opt is None or path is None:
+            return
+        folder = birder_state_dir(path)
+        try:
+            state = read_rank_state(folder, rank=self.global_rank, world_size=self.world_size)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(
+                f"{path} has no per-rank Birder state ({folder}/): it was not written by BirderDDPStrategy, or the "
+                "folder was not copied with it. Birder's m and b are each rank's own; resuming every rank from rank "
+                f"0's would change the run. Resume from a checkpoint saved with BirderDDPStrategy. ({exc})"
+            ) from exc
+        opt.load_state_dict(state)
+
+    def teardown(self) -> None:
+        self._resume_checkpoint = None
+        super().teardown()

@@ -1,0 +1,198 @@
+"""BirderDDPStrategy: real Lightning Trainers on 2 CPU processes (gloo), plus in-process checks of the refusals and
+the checkpoint seams.
+
+One launch of ``tests/_lightning_script.py`` runs every multi-process fit (Lightning re-launches a script once; later
+Trainers reuse the processes): about 12 s on an idle 2-core machine.
+"""
+
+import csv
+import glob
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+
+from birder_hf import Birder, OneBitAdam  # noqa: E402
+from birder_hf.integrations import lightning as birder_lightning  # noqa: E402
+from birder_hf.integrations.lightning import BirderDDPStrategy, birder_state_dir  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tests", "_lightning_script.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lightning")
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.path.join(ROOT, "src"),
+    }
+    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK"):  # else Lightning would not launch
+        env.pop(name, None)
+    res = subprocess.run(
+        [sys.executable, SCRIPT, str(out)], env=env, cwd=out, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    return out, res.stdout + res.stderr
+
+
+def _load(out, tag, rank):
+    return torch.load(os.path.join(out, f"{tag}-rank{rank}.pt"), weights_only=True)
+
+
+def _states_equal(a: dict, b: dict) -> bool:
+    sa, sb = a["state"], b["state"]
+    return sa.keys() == sb.keys() and all(
+        sa[i].keys() == sb[i].keys() and all(torch.equal(sa[i][k], sb[i][k]) for k in sa[i]) for i in sa
+    )
+
+
+def test_resume_continues_bit_for_bit_on_every_rank(run):
+    out, _ = run
+    for rank in (0, 1):
+        full, resumed = _load(out, "full", rank), _load(out, "resume", rank)
+        assert full["global_step"] == resumed["global_step"] == 8  # 4 epochs x 2 steps (accumulate_grad_batches=2)
+        assert all(torch.equal(a, b) for a, b in zip(full["params"], resumed["params"]))
+        assert _states_equal(full["optimizer"], resumed["optimizer"])  # m, b, step of this rank
+
+
+def test_replicas_agree_and_birder_state_is_rank_local(run):
+    out, log = run
+    r0, r1 = _load(out, "full", 0), _load(out, "full", 1)
+    assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"]))
+    # each rank's m differs: resuming rank 1 from rank 0's state would change the run (the test above would fail)
+    assert not torch.equal(r0["optimizer"]["state"][0]["exp_avg"], r1["optimizer"]["state"][0]["exp_avg"])
+    assert r0["topology"] == "Topology(1 node x 2 ranks, rank 0)"
+    assert "1-bit hierarchical hook registered" in log
+
+
+def test_comm_stats_reach_the_logger(run):
+    out, _ = run
+    with open(os.path.join(out, "csv", "version_0", "metrics.csv"), newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("birder/bytes_sent")]
+    assert len(rows) == 8  # one row per optimizer step (log_every_n_steps=1)
+    sent = [float(r["birder/bytes_sent"]) for r in rows]
+    assert sent == sorted(sent) and sent[0] > 0  # cumulative since the fit started
+    assert float(rows[-1]["birder/bytes_sent"]) == _load(out, "full", 0)["bytes_sent"]
+    # 161 parameters on 1 node x 2: 22 bytes a step instead of 644 for the fp32 ring all-reduce
+    assert float(rows[-1]["birder/compression_ratio"]) == pytest.approx(644 / 22, rel=1e-6)
+    assert float(rows[-1]["birder/skipped_steps"]) == 0
+
+
+def test_every_rank_writes_its_state_beside_the_checkpoint_and_it_goes_with_it(run):
+    out, _ = run
+    ckpts = sorted(os.path.basename(p) for p in glob.glob(os.path.join(out, "ckpt", "*")))
+    # save_top_k=1 removed epoch 0's checkpoint, and with it its Birder folder
+    assert ckpts == ["epoch=1-step=4.ckpt", "epoch=1-step=4.ckpt.birder"]
+    files = sorted(os.listdir(os.path.join(out, "ckpt", "epoch=1-step=4.ckpt.birder", "birder")))
+    assert files == ["rank_00000-of-00002.pt", "rank_00001-of-00002.pt"]
+
+
+def test_hierarchy_num_nodes_simulates_two_nodes(run):
+    out, _ = run
+    r0, r1 = _load(out, "nodes2x1", 0), _load(out, "nodes2x1", 1)
+    assert r1["topology"] == "Topology(2 nodes x 1 rank, rank 1)"
+    assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"]))
+
+
+def test_onebitadam_trains_through_the_strategy(run):
+    out, log = run
+    r0, r1 = _load(out, "onebitadam", 0), _load(out, "onebitadam", 1)
+    assert r0["global_step"] == 2 and r0["bytes_sent"] > 0
+    assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"]))
+    assert "OneBitAdam: 1-bit Adam hook registered" in log
+
+
+def test_real_trainer_refuses_another_optimizer_on_every_rank(run):
+    out, _ = run
+    for rank in (0, 1):
+        with open(os.path.join(out, f"refused-rank{rank}.json")) as f:
+            error = json.load(f)["error"]
+        assert error is not None and "return a birder_hf.Birder (or OneBitAdam), got AdamW" in error
+
+
+# ------------------------------------------------------------------------------------------------- in process
+def test_refusals_say_how_to_fix():
+    hook = lambda state, bucket: None  # noqa: E731
+    with pytest.raises(ValueError, match="drop ddp_comm_hook"):
+        BirderDDPStrategy(ddp_comm_hook=hook)
+    with pytest.raises(ValueError, match="drop ddp_comm_state"):
+        BirderDDPStrategy(ddp_comm_state=object())
+    with pytest.raises(ValueError, match="post-local SGD"):
+        BirderDDPStrategy(model_averaging_period=4)
+    with pytest.raises(ValueError, match="Unknown method"):
+        BirderDDPStrategy(method="ring")
+    with pytest.raises(ValueError, match="hierarchy_num_nodes"):
+        BirderDDPStrategy(hierarchy_num_nodes=0)
+
+    check = birder_lightning._check_trainer_settings
+    for precision in ("16-mixed", "16-true"):
+        with pytest.raises(ValueError, match="bf16-mixed"):
+            check(precision, None)
+    with pytest.raises(ValueError, match="Remove gradient_clip_val"):
+        check("32-true", 1.0)
+    for ok in ("32-true", "bf16-mixed", "bf16-true", "64-true"):
+        check(ok, None)
+    check("32-true", 0.0)
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    pick = birder_lightning._one_bit_optimizer
+    with pytest.raises(ValueError, match=r"returned 2 \(manual optimization\)"):
+        pick([Birder(params), Birder(params)], False)
+    with pytest.raises(ValueError, match="returned 0"):
+        pick([], True)
+    with pytest.raises(TypeError, match="got SGD"):
+        pick([torch.optim.SGD(params, lr=0.1)], True)
+    opt = OneBitAdam(params, freeze_step=2)
+    assert pick([opt], False) is opt
+
+
+def test_checkpoint_seams_in_one_process(tmp_path):
+    model = torch.nn.Linear(3, 1)
+    model(torch.randn(4, 3)).sum().backward()
+    opt = Birder(model.parameters(), lr=0.1, seed=1)
+    opt.step()
+    strategy = BirderDDPStrategy(parallel_devices=[torch.device("cpu")])
+    strategy.optimizers = [opt]
+    path = tmp_path / "epoch=0-step=1.ckpt"
+    strategy.save_checkpoint({"optimizer_states": [opt.state_dict()]}, path)
+    assert os.path.isfile(birder_state_dir(path) + "/birder/rank_00000-of-00001.pt")
+
+    # a symlinked checkpoint (save_last="link") finds its target's folder
+    link = tmp_path / "last.ckpt"
+    link.symlink_to(path.name)
+    assert birder_state_dir(link) == birder_state_dir(path)
+    saved = {k: v.clone() for k, v in opt.state[model.weight].items()}
+    opt.state[model.weight]["exp_avg"].zero_()
+    strategy.load_optimizer_state_dict(strategy.load_checkpoint(link))
+    assert torch.equal(opt.state[model.weight]["exp_avg"], saved["exp_avg"])
+
+    strategy.save_checkpoint({"state_dict": {}}, tmp_path / "weights.ckpt")  # save_weights_only: no Birder state
+    assert not os.path.exists(birder_state_dir(tmp_path / "weights.ckpt"))
+
+    strategy.remove_checkpoint(link)  # removing the link keeps the target's state
+    assert not link.is_symlink() and path.exists() and os.path.isdir(birder_state_dir(path))
+    strategy.remove_checkpoint(path)
+    assert not path.exists() and not os.path.exists(birder_state_dir(path))
+
+    other = tmp_path / "plain.ckpt"
+    torch.save({"optimizer_states": [opt.state_dict()]}, other)
+    with pytest.raises(FileNotFoundError, match="not written by BirderDDPStrategy"):
+        strategy.load_optimizer_state_dict(strategy.load_checkpoint(other))
+    with pytest.raises(ValueError, match="remote URL"):
+        birder_state_dir("s3://bucket/epoch=0.ckpt")
