@@ -28,6 +28,7 @@ before the last; the hook then sees the accumulated local gradient once per step
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
+import math
 import warnings
 
 import torch
@@ -167,7 +168,7 @@ def birder_hook(state: BirderHookState, bucket: dist.GradBucket) -> torch.future
     """
     opt = state.optimizer
     buffer = bucket.buffer()
-    params, grads = bucket.parameters(), bucket.gradients()
+    params = bucket.parameters()
     u_dtype = torch.float64 if buffer.dtype == torch.float64 else torch.float32
     u_flat = torch.empty(buffer.numel(), dtype=u_dtype, device=buffer.device)
     if state.check_finite:
@@ -176,7 +177,8 @@ def birder_hook(state: BirderHookState, bucket: dist.GradBucket) -> torch.future
 
     by_group: dict[int, list] = {}
     ids, sizes, steps, offset = [], [], [], 0
-    for p, g in zip(params, grads):
+    strided = []  # (offset, shape, strides) of the gradients the bucket holds in another memory order
+    for p in params:
         group = opt.group_of(p)
         if group is None:
             raise RuntimeError(
@@ -190,10 +192,13 @@ def birder_hook(state: BirderHookState, bucket: dist.GradBucket) -> torch.future
             )
         st = opt._init_state(p, group["amsgrad"])
         n = p.numel()
+        g = _grad_view(buffer, p, offset)
+        if not g.is_contiguous():
+            strided.append((offset, g.shape, g.stride()))
         by_group.setdefault(id(group), [group, [], [], [], []])
         entry = by_group[id(group)]
         entry[1].append((p, st))
-        entry[2].append(g.reshape(p.shape))
+        entry[2].append(g)
         entry[3].append(u_flat[offset : offset + n].view(p.shape))
         ids.append(opt.param_index(p))
         sizes.append(n)
@@ -229,6 +234,36 @@ def birder_hook(state: BirderHookState, bucket: dist.GradBucket) -> torch.future
         chunk_numel=state.chunk_numel,
         stats=state.stats,
     )
-    if buffer.dtype == u_dtype:
+    if buffer.dtype == u_dtype and not strided:
         return fut
-    return fut.then(lambda f: f.value().to(buffer.dtype))
+    return fut.then(lambda f: _to_bucket_layout(f.value().to(buffer.dtype), strided))
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    # its elements fill numel() consecutive slots in some order of the dimensions (no gaps, no overlap)
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _grad_view(buffer: torch.Tensor, p: torch.Tensor, offset: int) -> torch.Tensor:
+    """``p``'s gradient in the bucket as DDP lays it out: in ``p``'s own memory order when ``p`` is dense (NHWC for
+    a channels_last conv weight), C-contiguous otherwise (torch's ``Reducer::initialize_bucket_views``).
+
+    ``GradBucket.gradients()`` views every segment C-contiguously, which scrambles a channels_last gradient.
+    """
+    if _is_dense(p):
+        return buffer.as_strided(p.shape, p.stride(), buffer.storage_offset() + offset)
+    return buffer[offset : offset + p.numel()].view(p.shape)
+
+
+def _to_bucket_layout(d: torch.Tensor, strided: list) -> torch.Tensor:
+    """Put each listed parameter's segment of ``d`` (built in logical order, so that the bits' counters follow
+    the logical index as in ``Birder.step()``) into the bucket's memory order, in which DDP reads it back."""
+    for offset, shape, stride in strided:
+        segment = d[offset : offset + math.prod(shape)].clone()
+        d.as_strided(shape, stride, d.storage_offset() + offset).copy_(segment.view(shape))
+    return d
