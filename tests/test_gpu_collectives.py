@@ -19,7 +19,7 @@ from birder_hf import Topology
 
 CASES = [(1001, "float32", None), (4099, "bfloat16", 512), (3 * (1 << 16) + 5, "float32", None)]
 LAYOUTS = {3: [(1, 3), (3, 1)], 4: [(1, 4), (2, 2)]}  # (num_nodes, local_world_size)
-_SPAWN = dict(start_method="spawn", timeout=420)
+_SPAWN = dict(start_method="spawn", timeout=150)
 
 
 def _methods(layout):

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from birder_hf import Birder, BirderHookState, Topology, birder_hook
 
 STEPS = 6
-_SPAWN = dict(start_method="spawn", timeout=420)
+_SPAWN = dict(start_method="spawn", timeout=150)
 
 
 def _model(dtype, device):
