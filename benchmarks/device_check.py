@@ -71,7 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--junit", help="pytest's junit XML of the gpu suite, summarized under 'tests'")
     args = ap.parse_args(argv)
     tiny = args.tiny
-    args.device = torch.device(args.device)
+    args.device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     args.codec_numel = args.codec_numel or ([40_001] if tiny else [25_000_000, 110_000_000])
     args.repeats = args.repeats or (3 if tiny else 30)
     args.steps = args.steps or (2 if tiny else 24)

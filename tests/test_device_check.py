@@ -84,7 +84,7 @@ def test_tiny_cpu_run_writes_the_documented_schema(tiny_result):
         assert h["world_size"] == 1 and h["backend"] == "gloo" and h["timed_steps"] == 2
         assert h["adamw_step_ms"] > 0 and h["birder_step_ms"] > 0 and h["numel"] > 0
         assert h["copy_s_per_elem"] > 0 and isinstance(h["codec_copies"], float)
-        assert h["overhead_pct"] == pytest.approx(100 * (h["birder_step_ms"] / h["adamw_step_ms"] - 1), abs=0.01)
+        assert h["overhead_pct"] == pytest.approx(100 * (h["birder_step_ms"] / h["adamw_step_ms"] - 1), abs=0.1)
     assert r["hook"][1]["memory_format"] == "channels_last"
     for m in r["memory"]:
         assert m["adamw"]["optimizer_state_MiB"] >= 0 and "peak_MiB" not in m["adamw"]  # no CUDA allocator here
