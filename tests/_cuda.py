@@ -14,7 +14,9 @@ Host synchronisation is counted two ways while a function runs: the profiler's C
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import os
 import warnings
 
 import pytest
@@ -30,6 +32,8 @@ __all__ = [
     "delay_stream",
     "allreduce_seeded",
     "birder_with_topology",
+    "eager_codec",
+    "cpu_threads",
 ]
 
 HAS_CUDA = torch.cuda.is_available()
@@ -95,6 +99,29 @@ def host_syncs(fn) -> dict:
         "runtime_calls": sum(e.name.startswith("cuda") for e in inside),
         "sync_warnings": sorted({str(w.message) for w in caught if "synchroniz" in str(w.message)}),
     }
+
+
+@contextlib.contextmanager
+def eager_codec():
+    """The codec's eager kernels inside: for CPU references (no C++ compile on the device; the same bits)."""
+    from birder_hf.quantize import set_codec_compile
+
+    set_codec_compile(False)
+    try:
+        yield
+    finally:
+        set_codec_compile(True)
+
+
+@contextlib.contextmanager
+def cpu_threads():
+    """Every core for a large CPU reference (conftest pins one thread for forked CI ranks)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def delay_stream(ms: float = 30.0) -> None:

@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from _cuda import gpu
+from _cuda import cpu_threads, gpu
 
 from birder_hf import quantize as Q
 
@@ -72,7 +72,8 @@ _REFERENCE: dict[int, dict] = {}
 
 def _reference(n):
     if n not in _REFERENCE:
-        _REFERENCE[n] = codec_results("cpu", n, compiled=False)
+        with cpu_threads():
+            _REFERENCE[n] = codec_results("cpu", n, compiled=False)
     return _REFERENCE[n]
 
 

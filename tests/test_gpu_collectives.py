@@ -11,7 +11,7 @@ right bit for bit. The largest case is above ``2^16`` elements, where the compil
 
 import pytest
 import torch
-from _cuda import GLOO_CUDA, N_CUDA, allreduce_seeded, gpu, multi_gpu
+from _cuda import GLOO_CUDA, N_CUDA, allreduce_seeded, eager_codec, gpu, multi_gpu
 from _dist import run_distributed
 from test_gpu_ddp import async_on_another_stream
 
@@ -42,7 +42,8 @@ def collectives_rank(rank, world, device, cases=CASES):
                 u = (torch.rand(n, generator=g) * 2 - 1).to(getattr(torch, dtype))
                 kw = dict(topology=topo, method=method, inter_method=inter, chunk_numel=chunk)
                 name = f"{layout[0]}x{layout[1]} {method}/{inter} n={n} {dtype} chunk={chunk}"
-                d_cpu = allreduce_seeded(u, n + 7, **kw)
+                with eager_codec():  # the CPU reference: the same bits, no C++ compile on the device
+                    d_cpu = allreduce_seeded(u, n + 7, **kw)
                 d_dev = allreduce_seeded(u.to(dev), n + 7, **kw)
                 d_async = allreduce_seeded(u.to(dev), n + 7, async_op=True, **kw).wait()
                 out[name] = (d_cpu, d_dev.cpu(), d_async.cpu())

@@ -5,12 +5,13 @@ vectorized ``add(alpha=)`` and CUDA's both fuse it into one multiply-add), ``u =
 the bits come from the device-independent codec, so parameters and state must agree bit for bit.
 """
 
+import contextlib
+
 import pytest
 import torch
-from _cuda import gpu, host_syncs
+from _cuda import eager_codec, gpu, host_syncs
 
 from birder_hf import Birder
-from birder_hf.quantize import set_codec_compile
 
 # one tensor above 2^16 elements (the compiled quantizer), others with lengths that are not multiples of 8
 SHAPES = [(300, 257), (1001,), (3, 5, 7), (70001,)]
@@ -23,7 +24,15 @@ def _grads(step, dtype):
 
 
 def run_birder(device, dtype=torch.float32, foreach=None, **kwargs) -> dict:
-    """``STEPS`` Birder steps on ``device`` from fixed parameters and gradients; parameters and state on the CPU."""
+    """``STEPS`` Birder steps on ``device`` from fixed parameters and gradients; parameters and state on the CPU.
+
+    On the CPU (the reference) with the eager codec: the same bits without compiling C++ on the device.
+    """
+    with eager_codec() if device == "cpu" else contextlib.nullcontext():
+        return _run_birder(device, dtype, foreach, **kwargs)
+
+
+def _run_birder(device, dtype, foreach, **kwargs) -> dict:
     g = torch.Generator().manual_seed(0)
     params = [torch.randn(s, generator=g).to(device=device, dtype=dtype).requires_grad_() for s in SHAPES]
     opt = Birder(params, lr=0.01, beta=0.9, weight_decay=0.05, seed=3, foreach=foreach, **kwargs)
@@ -83,9 +92,5 @@ def test_step_syncs_the_host_once():
 
 
 def test_run_birder_on_cpu():
-    # CI (no GPU): the comparison itself (for-loop against foreach on the CPU); eager codec, no compile time
-    set_codec_compile(False)
-    try:
-        _assert_same(run_birder("cpu", foreach=True), run_birder("cpu", foreach=False))
-    finally:
-        set_codec_compile(True)
+    # CI (no GPU): the comparison itself (for-loop against foreach on the CPU)
+    _assert_same(run_birder("cpu", foreach=True), run_birder("cpu", foreach=False))
