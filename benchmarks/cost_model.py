@@ -20,11 +20,14 @@ Birder hierarchical    NIC: (k-1) x d/8; NVLink: (L-1)/L x d/8 x (1 + bits(k))  
 =====================  =======================================================  ===============================
 
 plus, for Birder, one tiny finite-flag all-reduce per step (tree: 2 log2(n) x alpha). Compute times come from
-published A100 throughput (cited in ``ASSUMPTIONS``); the codec from this repository's measured codec cost on the
-CPU (``docs/results/throughput.json``: the hook's extra time in a no-communication run, or ``codec.json``'s kernel
-ratios), converted to an A100 by the ratio of memory bandwidths (the codec is a few streaming passes over the
-gradient). With ``docs/results/throughput.json`` present, the model is also checked against the testbed: the same
-formulas with the testbed's link and measured CPU compute predict the measured ethernet ratios.
+published A100 throughput (cited in ``ASSUMPTIONS``). The codec's cost, in fp32 copies of the gradient, comes from
+``docs/results/gpu.json`` when a GPU measured it (``benchmarks/device_check.py``: Birder's step minus AdamW's with
+DDP on one rank, in units of a ``copy_`` timed in the same run), else from this repository's CPU measurements
+(``docs/results/throughput.json``: the hook's extra time in a no-communication run, or ``codec.json``'s kernel
+ratios); either is converted to an A100 by its memory bandwidth (the codec is a few streaming passes over the
+gradient). The output says which source it used (``calibration.source``). With ``docs/results/throughput.json``
+present, the model is also checked against the testbed: the same formulas with the testbed's link and measured CPU
+compute predict the measured ethernet ratios.
 """
 
 from __future__ import annotations
@@ -141,8 +144,34 @@ def codec_time(method: str, d: int, copies: float, a: dict) -> float:
 
 
 # ------------------------------------------------------------------------------------------------- calibration
+def gpu_calibration(path: Path) -> dict | None:
+    """Codec copy-equivalents per element measured on a GPU by ``device_check.py`` (``None``: no usable gpu.json).
+
+    Per model, the hook record's ``codec_copies``; a model without one takes the compiled codec kernels' ratios
+    (``codec.json``'s formula). A tiny (smoke test) or CPU run is not a measurement and is ignored.
+    """
+    if not path.exists():
+        return None
+    g = json.loads(path.read_text())
+    dev = g.get("device", {})
+    if g.get("tiny") or dev.get("type") != "cuda":
+        return None
+    # the codec cannot make a step cheaper; a Birder step below AdamW's (a lighter optimizer) counts as 0
+    copies = {r["model"]: max(0.0, r["codec_copies"]) for r in g.get("hook", []) if r.get("model") in NUMEL}
+    how = "hook step time minus AdamW's (DDP, one rank), in fp32 copies of the gradient timed in the same run"
+    kernels = [c for c in g.get("codec", []) if c.get("compiled")]
+    if len(copies) < len(NUMEL) and kernels:
+        r = max(kernels, key=lambda c: c["numel"])["ratio_vs_copy"]
+        for m in NUMEL:
+            copies.setdefault(m, 3 + r["quantize+pack"] + r["unpack"] + 1.5)
+        how += "; models without a hook record: the compiled codec kernels' ratios"
+    if not copies:
+        return None
+    return {"copies": copies, "from": f"gpu.json ({dev.get('name')}, torch {dev.get('torch')}): {how}"}
+
+
 def calibrate(results_dir: Path) -> dict:
-    """Codec cost in copy-equivalents per element, from what this repository measured on the CPU."""
+    """Codec cost in copy-equivalents per element: measured on a GPU (gpu.json) if present, else on the CPU."""
     out = {"fused_copies": FUSED_CODEC_COPIES}
     codec = results_dir / "codec.json"
     cpu_copy = None
@@ -178,6 +207,12 @@ def calibrate(results_dir: Path) -> dict:
         # encode (~3 copies when streamed) + quantize+pack + decode (~unpack) + apply (1.5)
         out["measured_copies"] = {m: 3 + r["quantize+pack"] + r["unpack"] + 1.5 for m in NUMEL}
         out["measured_from"] = "codec.json kernel ratios (no throughput.json yet)"
+    gpu = gpu_calibration(results_dir / "gpu.json")
+    if gpu is not None:
+        if "measured_copies" in out:  # kept for comparison
+            out["cpu_measured_copies"], out["cpu_measured_from"] = out.pop("measured_copies"), out.pop("measured_from")
+        out["measured_copies"], out["measured_from"] = gpu["copies"], gpu["from"]
+    out["source"] = "gpu" if gpu is not None else "cpu" if "measured_copies" in out else "fused default"
     return out
 
 
@@ -340,9 +375,10 @@ def main(argv=None) -> int:
     table = summary_table(result)
     out.with_suffix(".md").write_text(table + "\n")
     print(table)
+    calib = result["calibration"]
     print(
-        f"\ncodec calibration: {result['calibration'].get('measured_copies')} copy-equivalents per element "
-        f"({result['calibration'].get('measured_from')}); fused: {FUSED_CODEC_COPIES}"
+        f"\ncodec calibration ({calib['source']}-measured): {calib.get('measured_copies')} copy-equivalents per "
+        f"element ({calib.get('measured_from')}); fused: {FUSED_CODEC_COPIES}"
     )
     for p in result["paper_comparison"]:
         print(

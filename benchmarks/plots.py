@@ -1,6 +1,6 @@
 """Figures for the communication benchmarks (matplotlib, Agg): throughput bars, time breakdowns, cost-model curves.
 
-Used by ``benchmarks/throughput.py`` and ``benchmarks/cost_model.py``; also runnable to redraw from saved JSON::
+Used by ``benchmarks/system/throughput.py`` and ``benchmarks/cost_model.py``; also runnable to redraw from saved JSON::
 
     python benchmarks/plots.py docs/results/throughput.json
     python benchmarks/plots.py docs/results/cost_model.json

@@ -2,6 +2,10 @@
 
 Forking (with ``torch._dynamo`` imported once in the parent) starts a 2-rank group in ~0.3 s; ``spawn``
 took ~20 s here. Each rank's traceback comes back to the parent, and stragglers are killed.
+
+CUDA cannot be used in a forked child once the parent has initialized it, so the CUDA tests
+(``tests/test_gpu_*.py``) start their ranks with ``start_method="spawn"`` and an NCCL or
+``"cpu:gloo,cuda:gloo"`` backend; ``fn`` must then be a module-level function.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ def _forget_parent_singletons():
         state.AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def _child(q, init_file, rank, world_size, fn, args, env, local_world_size):
+def _child(q, init_file, rank, world_size, fn, args, env, local_world_size, backend="gloo"):
     try:
         os.environ.update({"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"})
         if local_world_size is not None:
@@ -49,9 +53,14 @@ def _child(q, init_file, rank, world_size, fn, args, env, local_world_size):
         os.environ.update({k: str(v) for k, v in (extra or {}).items()})
         torch.set_num_threads(1)
         _forget_parent_singletons()
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+        if "nccl" in backend:  # one GPU per rank, as torchrun's LOCAL_RANK would pick
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
         try:
             result = fn(rank, world_size, *args)
+            # no rank tears its groups down while a peer may still be connecting to them (gloo's connectFullMesh
+            # can return on one rank first: the peer then sees "Connection closed by peer")
+            dist.barrier()
         finally:
             dist.destroy_process_group()
         # plain pickle: torch's queue reducers would share tensors through fds that die with this process
@@ -60,7 +69,16 @@ def _child(q, init_file, rank, world_size, fn, args, env, local_world_size):
         q.put((rank, False, traceback.format_exc()))
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 120, env=None, local_world_size: int | None = None):
+def run_distributed(
+    fn,
+    world_size: int,
+    *args,
+    timeout: float = 120,
+    env=None,
+    local_world_size: int | None = None,
+    backend: str = "gloo",
+    start_method: str = "fork",
+):
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` forked ranks of a gloo group; return the results.
 
     Args:
@@ -69,18 +87,20 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120, env=None, 
         env: extra environment variables, a dict for every rank or a callable ``rank -> dict``.
         local_world_size: if given, set RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and GROUP_RANK as
             torchrun does for node-major ranks with that many ranks per node.
+        backend: the process group's backend (``"nccl"``, ``"cpu:gloo,cuda:gloo"``, ...).
+        start_method: ``"fork"`` (fast) or ``"spawn"`` (needed for CUDA once the parent has used it).
 
     Raises:
         RuntimeError: with the failing rank's traceback, or naming the ranks that timed out.
     """
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context(start_method)
     q = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="birder_dist_") as tmp:
         init_file = os.path.join(tmp, "store")
         procs = [
             ctx.Process(
                 target=_child,
-                args=(q, init_file, rank, world_size, fn, args, env, local_world_size),
+                args=(q, init_file, rank, world_size, fn, args, env, local_world_size, backend),
                 daemon=False,  # a rank may start worker processes (torch.compile); we kill stragglers
             )
             for rank in range(world_size)

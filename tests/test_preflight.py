@@ -256,13 +256,14 @@ _BENCH = ROOT / "benchmarks"
 
 
 def _testbed():
-    spec = importlib.util.spec_from_file_location("birder_benchmarks_testbed", _BENCH / "testbed.py")
+    spec = importlib.util.spec_from_file_location("birder_benchmarks_testbed", _BENCH / "system" / "testbed.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
 
+@pytest.mark.netns
 def test_two_hosts_in_network_namespaces_measure_the_shaped_link():
     testbed = _testbed()
     ok, reason = testbed.available()

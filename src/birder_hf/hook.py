@@ -29,6 +29,7 @@ before the last; the hook then sees the accumulated local gradient once per step
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
+import math
 from typing import NamedTuple
 
 import torch
@@ -131,12 +132,16 @@ def birder_hook(state: BirderHookState, bucket: dist.GradBucket) -> torch.future
 
     by_group: dict[int, _GroupWork] = {}
     params, steps, offset = [], [], 0
-    for p, g, group in items:
+    strided = []  # (offset, shape, strides) of the gradients the bucket holds in another memory order
+    for p, _, group in items:
         st = opt.init_state(p, group)
+        g = _grad_view(buffer, p, offset)
+        if not g.is_contiguous():
+            strided.append((offset, g.shape, g.stride()))
         work = by_group.setdefault(id(group), _GroupWork(group, [], [], []))
         work.params.append(p)
-        work.grads.append(g.reshape(p.shape))
-        work.us.append(u_flat[offset : offset + p.numel()].view(p.shape))
+        work.grads.append(g)
+        work.us.append(u_flat[offset : offset + p.numel()].view(p.shape))  # u in logical order, as in step()
         params.append(p)
         steps.append(int(st["step"]) + 1)
         offset += p.numel()
@@ -162,9 +167,39 @@ def birder_hook(state: BirderHookState, bucket: dist.GradBucket) -> torch.future
         stats=state._step_stats,
         out=u_flat,
     )
-    if buffer.dtype == u_dtype:
+    if buffer.dtype == u_dtype and not strided:
         return fut
-    return fut.then(lambda f: f.value().to(buffer.dtype))
+    return fut.then(lambda f: _to_bucket_layout(f.value().to(buffer.dtype), strided))
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    # its elements fill numel() consecutive slots in some order of the dimensions (no gaps, no overlap)
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _grad_view(buffer: torch.Tensor, p: torch.Tensor, offset: int) -> torch.Tensor:
+    """``p``'s gradient in the bucket as DDP lays it out: in ``p``'s own memory order when ``p`` is dense (NHWC for
+    a channels_last conv weight), C-contiguous otherwise (torch's ``Reducer::initialize_bucket_views``).
+
+    ``GradBucket.gradients()`` views every segment C-contiguously, which scrambles a channels_last gradient.
+    """
+    if _is_dense(p):
+        return buffer.as_strided(p.shape, p.stride(), buffer.storage_offset() + offset)
+    return buffer[offset : offset + p.numel()].view(p.shape)
+
+
+def _to_bucket_layout(d: torch.Tensor, strided: list) -> torch.Tensor:
+    """Put each listed parameter's segment of ``d`` (built in logical order, so that the bits' counters follow
+    the logical index as in ``Birder.step()``) into the bucket's memory order, in which DDP reads it back."""
+    for offset, shape, stride in strided:
+        segment = d[offset : offset + math.prod(shape)].clone()
+        d.as_strided(shape, stride, d.storage_offset() + offset).copy_(segment.view(shape))
+    return d
 
 
 # ------------------------------------------------------------------------------------------- helpers

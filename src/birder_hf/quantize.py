@@ -96,9 +96,21 @@ def _int24(numel: int, params: torch.Tensor, device) -> torch.Tensor:
     return _int24_at(torch.arange(numel, dtype=torch.int32, device=device) + params[2], params)
 
 
+def _int32_words(words: list[int], device) -> torch.Tensor:
+    # A few int32 words on ``device``. ``torch.tensor(words, device="cuda")`` copies from pageable memory and
+    # synchronizes the stream: once per parameter per step, that would stall the CPU behind the GPU in the
+    # middle of backward. Through pinned memory the copy is asynchronous (the host allocator keeps the block
+    # until the copy has run).
+    t = torch.tensor(words, dtype=torch.int32)
+    if device is None or torch.device(device).type == "cpu":
+        return t
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def _key_params(key: tuple[int, int], offset: int, device, *extra: int) -> torch.Tensor:
-    words = [_to_i32(key[0]), _to_i32(key[1]), _to_i32(offset), *extra]
-    return torch.tensor(words, dtype=torch.int32, device=device)
+    return _int32_words([_to_i32(key[0]), _to_i32(key[1]), _to_i32(offset), *extra], device)
 
 
 def random_int24(numel: int, key: tuple[int, int], offset: int = 0, device=None) -> torch.Tensor:
@@ -316,7 +328,7 @@ def _mean_of_counts(name: str, out: torch.Tensor, rows: torch.Tensor, m: int) ->
     n = out.numel()
     if not n <= 8 * rows.shape[1]:
         raise ValueError(f"out has {n} elements, the packed rows describe {8 * rows.shape[1]}")
-    mt = torch.tensor([m], dtype=torch.int32, device=out.device)
+    mt = _int32_words([m], out.device)
     head = n // 16 * 16  # the kernels write whole 16-element groups
     if head:
         _run(name, head, rows, mt, out[:head])

@@ -7,7 +7,7 @@ The LightningModule returns a :class:`birder_hf.Birder` (or :class:`birder_hf.On
 ``configure_optimizers``; the strategy does the rest::
 
     trainer = Trainer(accelerator="gpu", devices=8, num_nodes=4, strategy=BirderDDPStrategy(method="hierarchical"))
-    trainer.fit(model)                      # 1 bit per parameter per step crosses the network
+    trainer.fit(model)                      # the 1-bit hierarchical all-reduce, 4 nodes x 8
     trainer.fit(model, ckpt_path="last")    # every rank resumes from its own Birder state
 
 Why a strategy subclass: ``DDPStrategy(ddp_comm_hook=..., ddp_comm_state=...)`` registers the hook while it
@@ -30,8 +30,9 @@ uses are public ``Strategy`` methods:
 
 Refused at setup, each with a ``ValueError``/``TypeError`` that says how to fix it: fp16 precision
 (``"16-mixed"``/``"16-true"``: use ``"bf16-mixed"``), ``gradient_clip_val`` (after the hook ``.grad`` holds the
-direction ``d``, whose step is already bounded by ``lr``), an optimizer that is not Birder/OneBitAdam, several
-optimizers (also under manual optimization), and, at construction, a second hook (``ddp_comm_hook``,
+direction ``d`` in ``[-1, 1]``: a step moves a coordinate by at most ``lr * (1 + weight_decay * |x|)``), an
+optimizer that is not Birder/OneBitAdam, several optimizers (also under manual optimization), and, at
+construction, a second hook (``ddp_comm_hook``,
 ``ddp_comm_state``, ``ddp_comm_wrapper``) or post-local SGD (``model_averaging_period``). Other strategies
 (``"ddp"``, FSDP, DeepSpeed) have no 1-bit path: with ``strategy="ddp"`` Birder trains on fp32 all-reduced
 gradients and warns once.
@@ -50,9 +51,10 @@ import shutil
 from typing import Any
 
 from ..checkpoint import read_rank_state, save_rank_state
-from ..collectives import INTER_METHODS, METHODS
-from ..hook import BirderHookState, birder_hook
-from ..onebit_adam import OneBitAdam, OneBitAdamHookState, onebit_adam_hook
+from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, INTER_METHODS, METHODS
+from ..communicators import HookState
+from ..hook import BirderHookState, attach_ddp_hook
+from ..onebit_adam import OneBitAdam
 from ..optim import Birder
 from ..topology import Topology
 
@@ -98,7 +100,8 @@ def _check_trainer_settings(precision: str, gradient_clip_val: float | None) -> 
     if gradient_clip_val is not None and gradient_clip_val > 0:
         raise ValueError(
             f"Trainer(gradient_clip_val={gradient_clip_val}) would clip .grad after the 1-bit hook, where it holds "
-            "Birder's direction d; every step is already bounded by lr by construction. Remove gradient_clip_val."
+            "Birder's direction d in [-1, 1] (a step moves a coordinate by at most lr * (1 + weight_decay * |x|)). "
+            "Remove gradient_clip_val."
         )
 
 
@@ -172,9 +175,9 @@ class BirderDDPStrategy(DDPStrategy):
 
     def __init__(
         self,
-        method: str = "hierarchical",
+        method: str = DEFAULT_METHOD,
         *,
-        inter_method: str = "allgather",
+        inter_method: str = DEFAULT_INTER_METHOD,
         chunk_numel: int | None = None,
         hierarchy_num_nodes: int | None = None,
         log_comm_stats: bool = True,
@@ -201,7 +204,7 @@ class BirderDDPStrategy(DDPStrategy):
         self.method, self.inter_method, self.chunk_numel = method, inter_method, chunk_numel
         self.hierarchy_num_nodes = hierarchy_num_nodes
         self.log_comm_stats = log_comm_stats
-        self.birder_hook_state: BirderHookState | OneBitAdamHookState | None = None
+        self.birder_hook_state: HookState | None = None
         self._resume_checkpoint: str | None = None
 
     # ----------------------------------------------------------------------------------------- setup
@@ -230,20 +233,15 @@ class BirderDDPStrategy(DDPStrategy):
         return Topology.from_layout(k, self.world_size // k)
 
     def _register_hook(self, opt: Birder | OneBitAdam):
-        topology = self.topology()
-        if isinstance(opt, OneBitAdam):
-            state, hook, what = OneBitAdamHookState(opt, topology=topology), onebit_adam_hook, "1-bit Adam hook"
-        else:
-            state = BirderHookState(
-                opt,
-                topology=topology,
-                method=self.method,
-                inter_method=self.inter_method,
-                chunk_numel=self.chunk_numel,
-            )
-            hook, what = birder_hook, f"1-bit {self.method} hook"
-        self.model.register_comm_hook(state, hook)
-        rank_zero_info(f"{type(opt).__name__}: {what} registered on {topology!r}")
+        state = attach_ddp_hook(
+            self.model,
+            opt,
+            topology=self.topology(),
+            method=self.method,
+            inter_method=self.inter_method,
+            chunk_numel=self.chunk_numel,
+        )
+        rank_zero_info(f"{type(opt).__name__}: {state.description} registered on {state.topology!r}")
         return state
 
     # ----------------------------------------------------------------------------------------- steps
