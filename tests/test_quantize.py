@@ -1,6 +1,7 @@
 """The 1-bit codec: unbiasedness, bit packing, counter-based keys, compiled == eager."""
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -35,6 +36,15 @@ def test_hash_matches_uint32_reference():
     assert r.min() >= -(2**23) and r.max() < 2**23
     # uniform: mean 0 +- 5 standard errors (sd of U[-2^23, 2^23) is 2^24 / sqrt(12))
     assert abs(r.mean().item()) < 5 * (2**24 / math.sqrt(12)) / math.sqrt(r.numel())
+
+
+def test_out_of_range_u_is_clamped_and_nan_votes_minus_one():
+    # the threshold of |u| >= 256 used to overflow int32 (a fair coin); the float32 comparison clamps instead
+    edge = torch.tensor([256.0, -256.0, 300.0, 1e30, -1e30, float("inf"), -float("inf"), float("nan"), 1.0, -1.0])
+    want = torch.tensor([1, 0, 1, 1, 0, 1, 0, 0, 1, 0], dtype=torch.bool)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        for key in (Q.derive_key(0), Q.derive_key(1)):
+            assert torch.equal(Q.quantize_bits(edge.to(dtype), key), want)
 
 
 @pytest.mark.parametrize("value", [-1.0, -0.9, -0.3, 0.0, 0.25, 0.77, 1.0])
@@ -146,6 +156,32 @@ def test_requantize_pack_is_quantize_pack_of_the_mean(m):
     )
 
 
+def _round_to_float32(x: Fraction) -> float:
+    # the float32 nearest to x, ties to even, from exact rational arithmetic (independent of any division)
+    c = torch.tensor(float(x), dtype=torch.float32)
+    candidates = [torch.nextafter(c, torch.tensor(-math.inf)), c, torch.nextafter(c, torch.tensor(math.inf))]
+    return min(candidates, key=lambda v: (abs(Fraction(v.item()) - x), int(v.view(torch.int32)) & 1)).item()
+
+
+def test_vote_mean_is_the_correctly_rounded_quotient_for_every_count():
+    # (2c - m) / m for every count c <= m <= 64: the eager division, the compiled one (inductor) and the exact
+    # rational rounded once agree bit for bit, in float32 and float64; so does the float64 quotient rounded to
+    # float32, which the kernels use off the CPU (Triton's float32 division is approximate)
+    pairs = [(c, m) for m in range(1, 65) for c in range(m + 1)]
+    count = torch.tensor([c for c, _ in pairs], dtype=torch.int32)
+    m = torch.tensor([m for _, m in pairs], dtype=torch.int32)
+    want32 = torch.tensor([_round_to_float32(Fraction(2 * c - k, k)) for c, k in pairs], dtype=torch.float32)
+    want64 = torch.tensor([float(Fraction(2 * c - k, k)) for c, k in pairs], dtype=torch.float64)
+    compiled = torch.compile(Q._vote_mean, dynamic=True, fullgraph=True)
+    for dtype, want in ((torch.float32, want32), (torch.float64, want64)):
+        for work in (None, torch.float64):
+            assert torch.equal(Q._vote_mean(count, m, dtype, work), want)
+            assert torch.equal(compiled(count, m, dtype, work), want)
+    # and through the public kernel, with rows whose columns hold every count of m = 63 votes
+    rows = Q.pack_bits(torch.arange(63).view(-1, 1) < torch.arange(64).view(1, -1)).view(63, -1)
+    assert torch.equal(Q.votes_mean_(torch.empty(64), rows), (2 * torch.arange(64.0) - 63) / 63)
+
+
 def test_bitkeys_do_not_depend_on_layout():
     # Two parameters laid out [a, b] or [b, a]: each element gets the same bit either way.
     a, b = torch.rand(37) * 2 - 1, torch.rand(50) * 2 - 1
@@ -170,10 +206,12 @@ def test_compiled_codec_is_bitwise_equal_to_eager():
     counts = torch.stack([Q.unpack_bits(r, 8 * rows.shape[1]) for r in rows]).sum(0)
     planes = torch.stack([Q.pack_bits((counts >> j) & 1) for j in range(2)])
     keys = Q.BitKeys(3, 5, [2, 0, 1], [1001, 3, 8 * rows.shape[1] - 1004])
+    edge = torch.tensor([256.0, -300.0, float("inf"), -float("inf"), float("nan"), 1e30, 0.5, -0.5]).repeat(n // 8)
 
     def run():
         return (
             Q.quantize_pack(u, key, 99),
+            Q.unpack_bits(Q.quantize_pack(edge, key), 8)[:6],  # clamped, NaN -1: [1, 0, 1, 0, 0, 1]
             Q.unpack_bits(Q.quantize_pack(u, key), n),
             Q.votes_mean_(torch.empty(n), rows),
             Q.votes_mean_(torch.empty(n, dtype=torch.bfloat16), rows[:1]),  # the +-1 signs
@@ -192,3 +230,4 @@ def test_compiled_codec_is_bitwise_equal_to_eager():
     assert not Q._codec._failed
     for a, b in zip(fast, slow, strict=True):
         assert torch.equal(a, b)
+    assert fast[1].tolist() == [True, False, True, False, False, True]

@@ -20,7 +20,8 @@ re-create any other rank's draw. The 24 high bits of the hash give an integer ``
 
 Both sides are exact in float32, so every device and the float64 reference agree bit for bit.
 ``P(q_j = +1) = (\\lceil u_j 2^{23} \\rceil + 2^{23}) / 2^{24}``: the resolution is ``2^{-24}`` and the
-bias ``E[q_j] - u_j`` lies in ``[0, 2^{-23})``.
+bias ``E[q_j] - u_j`` lies in ``[0, 2^{-23})``. The comparison is made in float32, which also clamps: ``u >= 1``
+(``+inf`` too) always gives +1, ``u <= -1`` always -1, NaN -1; no value makes the threshold overflow.
 
 Bits are packed little-endian, 8 to a byte: bit ``k`` of byte ``i`` holds element ``8 i + k``
 (``True`` = +1), and the last byte is padded with zeros.
@@ -119,9 +120,11 @@ def random_int24(numel: int, key: tuple[int, int], offset: int = 0, device=None)
 
 
 def _below(r: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    # 1 iff r < u * 2^23, i.e. r < ceil(u * 2^23) for the integer r; pure integer arithmetic (no masks, no
-    # clamp) so that the compiled kernel vectorizes. u must lie in [-1, 1].
-    return ((r - torch.ceil(u * 8388608.0).to(torch.int32)) >> 31) & 1  # 2^23
+    # 1 iff r < u * 2^23 (float32 u), as int32 0/1. Both sides are exact in float32 (|r| <= 2^23, u * 2^23 is a
+    # power-of-two scaling), and for the integer r this is r < ceil(u * 2^23). The float comparison also clamps:
+    # u >= 1 (+inf too) always gives 1, u <= -1 always 0, NaN always 0; nothing overflows (an int32 threshold
+    # did for |u| >= 256). It compiles to a faster kernel than the integer form (benchmarks/codec.py).
+    return (r.to(torch.float32) < u * 8388608.0).to(torch.int32)  # 2^23
 
 
 def _bits_impl(u: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
@@ -152,10 +155,17 @@ def _unpack_impl(packed: torch.Tensor) -> torch.Tensor:
     return ((b >> shifts) & 1).reshape(-1).to(torch.uint8)
 
 
-def _vote_mean(count: torch.Tensor, m: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    # (2 count - m) / m for m +-1 votes, rounded once in ``dtype``. m is a tensor: inductor would turn a
-    # division by a constant into a multiplication by its reciprocal, which is not bitwise the same.
-    return (2 * count - m).to(dtype) / m.to(dtype)
+def _vote_mean(count: torch.Tensor, m: torch.Tensor, dtype: torch.dtype, work: torch.dtype | None = None):
+    # (2 count - m) / m for m +-1 votes, correctly rounded to ``dtype`` (float32 or float64) on every device. The CPU
+    # divides by IEEE rules (eager, and inductor's C++ kernels); Triton's float32 division is approximate (up to
+    # 2 ulp), so elsewhere the quotient is taken in float64 and rounded once: for integers below 2^24 that is the
+    # same correctly rounded float32 (double rounding is harmless with 53 >= 2 * 24 + 2 bits). Float64 halves the
+    # CPU kernel's speed, hence only off the CPU; tests/test_quantize.py checks both ``work`` forms against exact
+    # rationals for every count of m <= 64 votes. m is a tensor: inductor would turn a division by a constant
+    # into a multiplication by its reciprocal, which is not bitwise the same.
+    if work is None:
+        work = dtype if count.device.type == "cpu" else torch.float64
+    return ((2 * count - m).to(work) / m.to(work)).to(dtype)
 
 
 def _pair_bits(row: torch.Tensor) -> torch.Tensor:
@@ -277,8 +287,9 @@ def _run(name: str, numel: int, *args):
 def quantize_bits(u: torch.Tensor, key: tuple[int, int], offset: int = 0) -> torch.Tensor:
     """Binary randomization of ``u`` (any shape) as a flat bool tensor (``True`` = +1).
 
-    ``u`` must be finite and lie in ``[-1, 1]`` (the optimizer guarantees it; :func:`binary_randomize`
-    clamps); other values give unspecified bits. ``offset`` is the counter of ``u``'s first element.
+    ``u`` lies in ``[-1, 1]`` (Birder's encoder guarantees it); values outside are clamped by the rule itself
+    (``u >= 1``, ``+inf`` included, always gives +1, ``u <= -1`` always -1) and NaN gives -1, in the same pass.
+    ``offset`` is the counter of ``u``'s first element.
     """
     return _run("bits", u.numel(), u, _key_params(key, offset, u.device))
 
@@ -373,7 +384,7 @@ def binary_randomize(u: torch.Tensor, generator: torch.Generator | int | tuple[i
 
     Args:
         u (`torch.Tensor`): values in ``[-1, 1]``; values outside are clamped by the rule (``u >= 1``
-            always gives +1, ``u <= -1`` always -1) and NaN gives -1.
+            always gives +1, ``u <= -1`` always -1) and NaN gives -1 (as :func:`quantize_bits`).
         generator (`torch.Generator`, `int` or key, *optional*): where the key of the counter-based
             draw comes from: a ``torch.Generator`` (two 32-bit words are drawn from it), an integer
             seed, a key from :func:`derive_key`, or ``None`` for torch's default generator.
@@ -395,7 +406,7 @@ def binary_randomize(u: torch.Tensor, generator: torch.Generator | int | tuple[i
     else:
         words = torch.randint(0, 1 << 31, (2,), generator=generator, dtype=torch.int64)
         key = derive_key(int(words[0]), int(words[1]))
-    bits = quantize_bits(u.detach().float().clamp(-1.0, 1.0).nan_to_num(-1.0), key)
+    bits = quantize_bits(u.detach(), key)
     one = torch.ones((), dtype=u.dtype, device=u.device)
     return torch.where(bits, one, -one).reshape(u.shape)
 
