@@ -62,6 +62,8 @@ def codec_results(device, n: int, compiled: bool) -> dict:
         keys = Q.BitKeys(99, [5, 6, 7][: len(sizes)], [0, 4, 9][: len(sizes)], sizes)
         out["BitKeys.quantize_pack"] = keys.quantize_pack(u, 0, Q.STAGE_WORKER, 1)
         out["BitKeys.requantize_pack"] = keys.requantize_pack(rows[:3], 0, Q.STAGE_NODE, 2)
+        out["BitKeys.quantize_pack reflect"] = keys.quantize_pack(u, 0, Q.STAGE_WORKER, 0, reflect=True)
+        out["BitKeys.requantize_pack reflect"] = keys.requantize_pack(rows[:5], 0, Q.STAGE_NODE, 1, reflect=True)
         pairs = [(c, m) for m in range(1, 65) for c in range(m + 1)]
         count = torch.tensor([c for c, _ in pairs], dtype=torch.int32, device=device)
         m = torch.tensor([m for _, m in pairs], dtype=torch.int32, device=device)
