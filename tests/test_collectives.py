@@ -292,6 +292,14 @@ def test_zero_u_on_every_rank_gives_zero_where_the_method_can_express_it():
             assert d_edge.tolist() == EDGE_D * 7, case
 
 
+def test_odd_nodes_of_an_even_count_still_cancel():
+    # 2 nodes of 3: pair (2, 3) straddles the nodes, whose means are then +-1/3 and -+1/3; the two nodes re-quantize
+    # them as a pair, which cancels but for the codec's resolution (2^-24 per element): 0 on all 4000 elements here
+    case = [((2, 3), "hierarchical", "allgather", True)]
+    for ((d_zero, d_edge),) in run_distributed(_zero_and_edges, 6, case):
+        assert torch.all(d_zero == 0) and d_edge.tolist() == EDGE_D * 7
+
+
 def test_odd_world_size_leaves_one_fair_coin():
     # the last rank has no partner: where u = 0 everywhere, d = +-1/3 (node stage of 3 x 1 alike)
     cases = [(None, "allgather", "allgather", False), ((3, 1), "hierarchical", "allgather", False)]

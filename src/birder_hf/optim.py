@@ -8,7 +8,7 @@ Deviations from the paper (its full text and code were not available to us; ``do
 - The update equations below are our reconstruction from the abstract, the official code's flags and the
   footnote on Algorithm 1: one ``beta`` for the EMA of the gradient and of its absolute value, so that
   ``|m| <= b`` and ``u = m / b`` lies in ``[-1, 1]``.
-- The random bits come from a counter-based hash keyed by (seed, step, parameter, stage, rank), see
+- The random bits come from a counter-based hash keyed by (seed, step, parameter, stage, rank pair), see
   ``birder_hf.quantize``, so that resume is exact and the bits do not depend on DDP's bucket layout.
 - ``quantize=False`` and ``amsgrad=True`` are opt-in extras (a single-process reference, and the
   max-variant the paper uses only in its theory).
