@@ -249,6 +249,22 @@ class OneBitOptimizer(Optimizer):
                 out.append(GroupGrads(group, params, grads))
         return out
 
+    def check_state_matches(self, params: list[torch.Tensor]) -> None:
+        """Raise (before anything is written) if a parameter no longer matches its state: resized, or moved to another
+        device after the state was made."""
+        for p in params:
+            st = self.state.get(p)
+            if not st:
+                continue
+            m = st.get("exp_avg")
+            if m is not None and (m.shape != p.shape or m.device != p.device):
+                raise RuntimeError(
+                    f"A parameter of shape {tuple(p.shape)} on {p.device} has {type(self).__name__} state of shape "
+                    f"{tuple(m.shape)} on {m.device}: the model changed after the optimizer state was made. Move or "
+                    "resize the model before creating the optimizer (or before load_state_dict, which moves state to "
+                    "the parameters)."
+                )
+
     # ------------------------------------------------------------------------------------ state dicts
     def stage_rank_state(self, state_dict: dict) -> None:
         """Make the next :meth:`load_state_dict` load ``state_dict`` (this rank's own) instead of its argument."""

@@ -399,10 +399,18 @@ def onebit_adam_hook(state: OneBitAdamHookState, bucket: dist.GradBucket) -> tor
     One all-to-all and one all-gather of ``(c/8 + 4k)`` bytes per peer per bucket (``c`` the elements
     of one shard of the bucket's ``k`` parameters, padded to whole bytes).
     """
+    items = state._begin_bucket(bucket)
+    try:
+        return _start_bucket(state, bucket.buffer(), items)
+    except BaseException:
+        state._abort_bucket([p for p, _, _ in items])  # nothing of this bucket stays staged
+        raise
+
+
+def _start_bucket(state: OneBitAdamHookState, buffer: torch.Tensor, items: list):
     opt, topo = state.optimizer, state.topology
     n, rank = topo.world_size, topo.rank
-    buffer = bucket.buffer()
-    items = state._begin_bucket(bucket)
+    opt.check_state_matches([p for p, _, _ in items])
     phases = {opt.compressing(p, group) for p, _, group in items}
     if len(phases) > 1:
         raise RuntimeError(

@@ -224,21 +224,6 @@ class Birder(OneBitOptimizer):
                 s["step"] += 1
         return us
 
-    def check_state_matches(self, params: list[torch.Tensor]) -> None:
-        """Raise (before anything is written) if a parameter no longer matches its state: resized, or moved to another
-        device after the state was made."""
-        for p in params:
-            st = self.state.get(p)
-            if not st:
-                continue
-            m = st["exp_avg"]
-            if m.shape != p.shape or m.device != p.device:
-                raise RuntimeError(
-                    f"A parameter of shape {tuple(p.shape)} on {p.device} has Birder state of shape {tuple(m.shape)} "
-                    f"on {m.device}: the model changed after the optimizer state was made. Move or resize the model "
-                    "before creating the optimizer (or before load_state_dict, which moves state to the parameters)."
-                )
-
     def _state_problem(self, p: torch.Tensor, state: dict, group: dict) -> str | None:
         unknown = sorted(set(state) - set(self.state_keys))
         if unknown:

@@ -29,7 +29,7 @@ import os
 
 from ..base import OneBitOptimizer, unwrap_optimizer
 from ..checkpoint import read_rank_state, save_rank_state
-from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, _check_method
+from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, check_settings
 from ..hook import attach_ddp_hook
 from ..topology import Topology
 
@@ -101,7 +101,7 @@ def _check_options(method: str = DEFAULT_METHOD, inter_method: str = DEFAULT_INT
     unknown = set(others) - {"chunk_numel", "check_finite"}
     if unknown:
         raise TypeError(f"register_birder_hook got unknown options {sorted(unknown)}; see birder_hf.attach_ddp_hook.")
-    _check_method(method, inter_method)
+    check_settings(method, inter_method, others.get("chunk_numel"))
 
 
 def _register_checkpoint_hooks(accelerator, optimizer: OneBitOptimizer) -> None:
