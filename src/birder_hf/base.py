@@ -275,7 +275,7 @@ class OneBitOptimizer(Optimizer):
         (keys, shapes, dtypes, finite values, the optimizer's invariants). If anything is wrong, nothing is loaded."""
         if self._staged_state is not None:
             state_dict, self._staged_state = self._staged_state, None
-        self._check_state_dict(state_dict)
+        self.check_state_dict(state_dict)
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         keep = {}
@@ -333,7 +333,8 @@ class OneBitOptimizer(Optimizer):
         """What is wrong with ``state``, one parameter's saved state (``group``: its saved settings), or ``None``."""
         return None
 
-    def _check_state_dict(self, state_dict) -> None:
+    def check_state_dict(self, state_dict) -> None:
+        """Raise what :meth:`load_state_dict` would raise for ``state_dict``, changing nothing."""
         name = type(self).__name__
         if (
             not isinstance(state_dict, dict)
