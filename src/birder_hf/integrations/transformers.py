@@ -31,9 +31,9 @@ import warnings
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ..base import OneBitOptimizer, unwrap_optimizer
+from ..base import OneBitOptimizer, is_integer, unwrap_optimizer
 from ..checkpoint import disk_full_error, read_own_rank_state, save_rank_state
-from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, INTER_METHODS, METHODS
+from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, INTER_METHODS, METHODS, check_settings
 from ..communicators import HookState
 from ..hook import attach_ddp_hook
 from ..model_card import model_card_section, optimizer_description
@@ -101,14 +101,29 @@ class BirderArguments:
         if self.comm_method is not None:
             warnings.warn("BirderArguments(comm_method=...) is renamed method=...", FutureWarning, stacklevel=3)
             self.method, self.comm_method = self.comm_method, None
+        # the same rules as the objects these settings build (set from Python, a value may have any type)
         if self.optimizer not in self.optimizers:
             raise ValueError(f"optimizer={self.optimizer!r}; choose one of {', '.join(self.optimizers)}.")
         if self.method not in METHODS:
             raise ValueError(f"method={self.method!r}; choose one of {', '.join(METHODS)}.")
         if self.inter_method not in INTER_METHODS:
             raise ValueError(f"inter_method={self.inter_method!r}; choose one of {', '.join(INTER_METHODS)}.")
-        if not 0.0 <= self.beta < 1.0:
-            raise ValueError(f"beta={self.beta} must lie in [0, 1).")
+        check_settings(self.method, self.inter_method, self.chunk_numel)
+        rules = {
+            "beta": Birder.settings["beta"],
+            "freeze_step": OneBitAdam.settings["freeze_step"],
+            "amsgrad": Birder.settings["amsgrad"],
+            "quantize": Birder.settings["quantize"],
+        }
+        for name, rule in rules.items():
+            problem = rule.problem(getattr(self, name))
+            if problem is not None:
+                raise ValueError(f"Invalid {name}={getattr(self, name)!r}: {problem.format(name=name)}.")
+        if self.num_nodes is not None and not (is_integer(self.num_nodes) and self.num_nodes >= 1):
+            raise ValueError(
+                f"Invalid num_nodes={self.num_nodes!r}: num_nodes must be None (the launcher's layout) or an int >= 1 "
+                "that divides the number of processes."
+            )
 
     def topology(self) -> Topology:
         """The topology these arguments ask for (collective: every rank must call it)."""
