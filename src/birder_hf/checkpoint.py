@@ -93,17 +93,18 @@ def save_rank_state(optimizer, checkpoint_dir: str, *, rank: int | None = None, 
     opt = _one_bit(optimizer, "save_rank_state")
     rank, world_size = _rank_and_world(rank, world_size)
     path = rank_state_path(checkpoint_dir, rank, world_size)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
     payload = {"format": _FORMAT, "rank": rank, "world_size": world_size, "optimizer": opt.state_dict()}
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=os.path.dirname(path))
+    tmp = None
     try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=os.path.dirname(path))
         with os.fdopen(fd, "wb") as f:
             torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as exc:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
         if not isinstance(exc, Exception):  # KeyboardInterrupt: nothing to explain
             raise
@@ -126,9 +127,10 @@ def _nbytes(obj) -> int:
     return 8
 
 
-def disk_full_error(exc: BaseException, folder: str, needed: int = 1 << 20, kept: str = "") -> OSError | None:
+def disk_full_error(exc: BaseException, folder: str, needed: int | None = None, kept: str = "") -> OSError | None:
     """An ``OSError(ENOSPC)`` that says the disk holding ``folder`` is full, if that is why writing failed with
-    ``exc`` (its errno, or fewer than ``needed`` bytes free now); else ``None``. ``kept`` says what was kept.
+    ``exc`` (its errno, or fewer than ``needed`` bytes free now, 1 MiB if unknown); else ``None``. ``kept`` says
+    what was kept.
 
     torch's writer loses the errno of a full disk ("unexpected pos 1408 vs 1300"), hence the free-space test.
     """
@@ -136,17 +138,21 @@ def disk_full_error(exc: BaseException, folder: str, needed: int = 1 << 20, kept
     while cause is not None:
         codes.add(getattr(cause, "errno", None))
         cause = cause.__cause__ or cause.__context__
+    existing = os.path.abspath(folder)
+    while not os.path.isdir(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)  # the folder itself may not have been made
     try:
-        free = shutil.disk_usage(folder).free
+        free = shutil.disk_usage(existing).free
     except OSError:
         return None
-    if not codes & {errno.ENOSPC, errno.EDQUOT} and free >= needed:
+    if not codes & {errno.ENOSPC, errno.EDQUOT} and free >= (needed or 1 << 20):
         return None
+    need = f"; this write needs about {needed}" if needed else ""
+    kept = f"{kept[:1].upper()}{kept[1:]}. " if kept else ""
     return OSError(
         errno.ENOSPC,
-        f"The disk holding {folder} is full ({free} bytes free; this write needs about {needed}): "
-        f"{type(exc).__name__}: {exc}. {kept + '. ' if kept else ''}Free some space (or checkpoint to another "
-        "disk) and save again.",
+        f"The disk holding {folder} is full ({free} bytes free{need}): {type(exc).__name__}: {exc}. {kept}Free some "
+        "space (or checkpoint to another disk) and save again.",
     )
 
 

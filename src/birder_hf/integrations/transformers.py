@@ -227,7 +227,7 @@ class BirderTrainerMixin:
             super()._save_checkpoint(model, trial)
         except Exception as exc:
             step = f"checkpoint-{self.state.global_step}"
-            kept = f"{step} is incomplete (delete it); the checkpoints saved before it are kept"
+            kept = f"The new {step} is incomplete (delete it); the checkpoints saved before it are kept"
             full = disk_full_error(exc, self.args.output_dir, kept=kept)
             if full is None:
                 raise
