@@ -587,3 +587,49 @@ def test_a_full_disk_says_so_and_keeps_the_previous_checkpoint(tmp_path):
     assert trainer["errno"] == 28 and "is full" in trainer["message"], trainer
     assert "The new checkpoint-2 is incomplete (delete it)" in trainer["message"]
     assert "birder" in trainer["first"] and "trainer_state.json" in trainer["first"]  # checkpoint-1 is complete
+
+
+# ------------------------------------------------------------------------- the agreement check's cost
+def _count_checks(rank, world):
+    from birder_hf import collectives
+
+    checks = []
+    real = collectives._all_gather
+
+    def counting(out, inp, **kwargs):  # the check's all-gather is the only one of int64
+        checks.append(inp.dtype == torch.int64)
+        return real(out, inp, **kwargs)
+
+    collectives._all_gather = counting
+    topo = Topology.flat()
+    counts = []
+    for numel in (64, 64, 64, 128, 64):
+        checks.clear()
+        onebit_all_reduce(torch.zeros(numel), topology=topo, method="allgather")
+        counts.append(sum(checks))
+    # the optimizer-side all-reduce checks before its first step, then never again for the same parameters
+    p = torch.nn.Parameter(torch.ones(40))
+    opt = Birder([p], lr=0.1, seed=0, topology=topo, method="allgather")
+    steps = []
+    for _ in range(3):
+        checks.clear()
+        p.grad = torch.randn(40)
+        opt.step()
+        steps.append(sum(checks))
+    collectives._all_gather = real
+    return counts, steps
+
+
+def test_the_agreement_check_runs_once_per_signature():
+    for counts, steps in run_distributed(_count_checks, 2):
+        assert counts == [1, 0, 0, 1, 0]
+        assert steps == [1, 0, 0]
+
+
+def test_agreement_benchmark_runs():
+    spec = importlib.util.spec_from_file_location("birder_benchmarks_agreement", f"{ROOT}/benchmarks/agreement.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.run(numel=64, calls=3, lookups=100)
+    assert result["extra_collectives"] == {"first_call": 1, "later_calls": 0, "later_call_count": 3}
+    assert result["cache_lookup_us"] > 0 and result["check_exchange_ms"] > 0
