@@ -158,3 +158,42 @@ def test_accelerate_load_state_with_one_corrupt_file_stops_every_rank(tmp_path):
     for kind, message, seconds in results:
         assert kind == "RuntimeError" and "corrupt" in message and "rank_00001" in message, (kind, message)
         assert seconds < 10
+
+
+# ---------------------------------------------------------------- zero_grad(set_to_none=False) under the hook
+class ThreeBranches(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+
+    def forward(self, x, use_b: bool, use_c: bool):
+        return self.a(x) + (self.b(x) if use_b else 0) + (self.c(x) if use_c else 0)
+
+
+def _hooked(rank, world, set_to_none: bool, bucket_view: bool):
+    from birder_hf.hook import attach_ddp_hook
+
+    model = ThreeBranches()
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        model, find_unused_parameters=True, gradient_as_bucket_view=bucket_view
+    )
+    opt = Birder(ddp.parameters(), lr=0.1, weight_decay=0.1, seed=0)
+    attach_ddp_hook(ddp, opt, method="allgather")
+    for step in range(4):
+        torch.manual_seed(10 * step + rank)
+        opt.zero_grad(set_to_none=set_to_none)
+        # b: used by every rank in step 0 only, then by none (its .grad stays a zero tensor with set_to_none=False);
+        # c: used by rank 0 only (every rank steps it)
+        ddp(torch.randn(8, 4), use_b=step == 0, use_c=rank == 0).square().mean().backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], [int(opt.state[p]["step"]) for p in model.parameters()]
+
+
+@pytest.mark.parametrize("bucket_view", [False, True])
+def test_zero_grad_without_none_steps_like_set_to_none(bucket_view):
+    none = run_distributed(_hooked, 2, True, bucket_view, timeout=60)
+    zeros = run_distributed(_hooked, 2, False, bucket_view, timeout=60)
+    for (p_none, s_none), (p_zeros, s_zeros) in zip(none, zeros):
+        assert s_none == s_zeros == [4, 4, 1, 1, 4, 4]  # a, b (step 0 only), c
+        assert all(torch.equal(x, y) for x, y in zip(p_none, p_zeros))

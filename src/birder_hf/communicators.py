@@ -70,6 +70,8 @@ class HookState(Communicator):
 
     optimizer_class: type = OneBitOptimizer
     hook_name = "the hook"
+    # skip a parameter no rank computed a gradient for, as a gradient of None does (see finish_step)
+    skip_unused: bool = False
 
     __slots__ = (
         # settings
@@ -80,6 +82,9 @@ class HookState(Communicator):
         "_pending",
         "_flags",
         "_step_stats",
+        "_used",  # parameters that got a gradient since the last step (their post-accumulate-grad hook ran)
+        "_watched",  # parameters with that hook, and its handles
+        "_handles",
         # statistics
         "stats",
         "last_step_stats",
@@ -108,8 +113,25 @@ class HookState(Communicator):
         self._flags: list[torch.Tensor] = []
         self.stats, self.last_step_stats, self._step_stats = CommStats(), CommStats(), CommStats()
         self.steps_communicated = self.skipped_steps = 0
+        self._used, self._watched, self._handles = set(), set(), []
         self._agree_settings(optimizer)
         self.attach(optimizer)
+        if self.skip_unused and self.check_finite:
+            self._watch([p for g in optimizer.param_groups for p in g["params"]])
+
+    def _watch(self, params) -> None:
+        # one Python call per parameter per backward: how a rank knows which parameters it used this step (DDP
+        # hands the hook zeros for an unused one, and with zero_grad(set_to_none=False) its .grad is a zero tensor)
+        for p in params:
+            if p.requires_grad and p not in self._watched:
+                self._watched.add(p)
+                self._handles.append(p.register_post_accumulate_grad_hook(self._used.add))
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._watched = [], set()
+        super().detach()
 
     def _settings(self, optimizer) -> dict:
         """What every rank's hook state must share: its own settings, the layout, the optimizer's settings."""
@@ -183,6 +205,10 @@ class HookState(Communicator):
             items.append((p, g, group))
         if self.check_finite:
             self._flags.append(_nonfinite_flag(buffer))
+            if self.skip_unused:  # a parameter added since: watched from now on, counted as used this step
+                new = [p for p, _, _ in items if p not in self._watched]
+                self._watch(new)
+                self._used.update(new)
         return items
 
     def _stage(self, p: torch.Tensor, group: dict, record) -> None:
@@ -191,15 +217,22 @@ class HookState(Communicator):
     def finish_step(self) -> dict[torch.Tensor, Staged] | None:
         """Called by ``optimizer.step()``: agree with every rank that the step is finite, close its statistics and
         hand over what the hook staged (``None``: a rank had a non-finite gradient and every rank skips)."""
-        pending, flags = self._pending, self._flags
+        pending, flags, used = self._pending, self._flags, set(self._used)
         self._pending, self._flags = {}, []
+        self._used.clear()  # the same set: the parameters' hooks add to it
         step_stats, self._step_stats = self._step_stats, CommStats()
         self.stats += step_stats
         self.last_step_stats = step_stats
+        unused = []
         if self.check_finite and pending:
             dev = next(iter(pending)).device
             bad = torch.stack(flags).any().to(torch.float32).reshape(1) if flags else torch.zeros(1, device=dev)
-            if agree(bad, self.topology.world_group).item() != 0.0:
+            # with skip_unused: [non-finite, then: used on this rank, per parameter in the optimizer's order]
+            order = sorted(pending, key=self.optimizer.param_index) if self.skip_unused else []
+            mine = torch.tensor([p in used or p not in self._watched for p in order], dtype=torch.float32)
+            agreed = agree(torch.cat([bad, mine.to(dev)]), self.topology.world_group).tolist()
+            unused = [p for p, flag in zip(order, agreed[1:]) if flag == 0.0]
+            if agreed[0] != 0.0:
                 self.skipped_steps += 1
                 warnings.warn(
                     f"{type(self.optimizer).__name__}: a rank had a non-finite gradient; every rank skipped the step.",
@@ -217,6 +250,8 @@ class HookState(Communicator):
                 f"parameter {type(self.optimizer).__name__} optimizes must belong to the DDP model the hook is "
                 "registered on."
             )
+        for p in unused:  # no rank computed a gradient for it: no step, as for a gradient of None
+            del pending[p]
         if pending:
             self.steps_communicated += 1
         return pending
