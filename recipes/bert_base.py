@@ -121,6 +121,9 @@ class DataArguments:
             raise ValueError("Give --dataset_name or --train_file/--validation_file, not both.")
         if bool(self.train_file) != bool(self.validation_file):
             raise ValueError("--train_file and --validation_file go together.")
+        for flag, path in (("--train_file", self.train_file), ("--validation_file", self.validation_file)):
+            if path and not os.path.isfile(path):
+                raise ValueError(f"{flag} {path} is not a file (SQuAD v1.1-format JSON).")
         if self.doc_stride >= self.max_seq_length:
             raise ValueError("--doc_stride must be smaller than --max_seq_length.")
 

@@ -34,6 +34,7 @@ import math
 import numbers
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
@@ -43,7 +44,16 @@ import torch.distributed as dist
 from .quantize import STAGE_INTER_SHARD, STAGE_NODE, STAGE_SHARD, STAGE_WORKER, BitKeys, digits_mean_, votes_mean_
 from .topology import Topology
 
-__all__ = ["onebit_all_reduce", "CommStats", "expected_bytes", "fp32_allreduce_bytes", "METHODS", "INTER_METHODS"]
+__all__ = [
+    "onebit_all_reduce",
+    "check_agreement",
+    "check_settings",
+    "CommStats",
+    "expected_bytes",
+    "fp32_allreduce_bytes",
+    "METHODS",
+    "INTER_METHODS",
+]
 
 METHODS = ("allgather", "scatter_gather", "hierarchical")
 INTER_METHODS = ("allgather", "scatter_gather")
@@ -163,11 +173,23 @@ def expected_bytes(method: str, numel: int, topology, *, inter_method: str = DEF
     return {"intra_node_bytes": intra, "inter_node_bytes": inter, "fp32_allreduce_bytes": fp32}
 
 
-def _check_method(method: str, inter_method: str) -> None:
-    if method not in METHODS:
+def check_settings(method: str, inter_method: str = DEFAULT_INTER_METHOD, chunk_numel: int | None = None) -> None:
+    """Raise ``ValueError`` unless ``method``, ``inter_method`` and ``chunk_numel`` are valid settings of
+    :func:`onebit_all_reduce` (every entry point that takes them calls this, before anything else)."""
+    if not isinstance(method, str) or method not in METHODS:
         raise ValueError(f"unknown method {method!r}; valid methods: {', '.join(METHODS)}")
-    if inter_method not in INTER_METHODS:
+    if not isinstance(inter_method, str) or inter_method not in INTER_METHODS:
         raise ValueError(f"unknown inter_method {inter_method!r}; valid: {', '.join(INTER_METHODS)}")
+    if chunk_numel is not None and not (
+        isinstance(chunk_numel, numbers.Integral) and not isinstance(chunk_numel, bool) and chunk_numel >= 1
+    ):
+        raise ValueError(
+            f"Invalid chunk_numel={chunk_numel!r}: chunk_numel must be None (one round) or an int >= 1, the elements "
+            "per collective round (e.g. 2**24)."
+        )
+
+
+_check_method = check_settings  # the old private name
 
 
 def _check_device(group, device: torch.device) -> None:
@@ -354,6 +376,122 @@ def launch_in_order(topology: Topology, job: Job, *, async_op: bool = True):
     return fut
 
 
+# ------------------------------------------------------------------------------------ agreement across ranks
+# Ranks that call onebit_all_reduce with different sizes or methods would launch collectives that do not match:
+# gloo aborts a rank or returns garbage, NCCL hangs until the process-group timeout. The first call with a new
+# signature therefore exchanges it (one all-gather of a few int64) and every rank raises the same ValueError if
+# they differ; later calls with that signature only look it up in a small per-group cache.
+_SIGNATURE = ("numel", "method", "inter_method", "chunk_numel", "dtype", "num_nodes", "local_world_size")
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_AGREED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # world group -> signatures agreed (LRU)
+_AGREED_LOCK = threading.Lock()
+_AGREED_MAX = 1024  # signatures remembered per group (every rank forgets the same ones: the same call sequence)
+
+
+def _signature(topo: Topology, numel: int, method: str, inter_method: str, step: int, dtype) -> tuple[int, ...]:
+    # step: the elements per round when chunked, 0 for one round
+    return (
+        numel,
+        METHODS.index(method),
+        INTER_METHODS.index(inter_method),
+        step,
+        _DTYPES.index(dtype) if dtype in _DTYPES else -1,
+        topo.num_nodes,
+        topo.local_world_size,
+    )
+
+
+def _claim(topo: Topology, signature: tuple) -> bool:
+    """Whether this call must check ``signature`` with the other ranks: ``True`` on its first use on the topology's
+    world group, which also records it (decided at call time, so every rank decides alike whatever the timing)."""
+    if topo.world_size == 1:
+        return False
+    with _AGREED_LOCK:
+        seen = _AGREED.get(topo.world_group)
+        if seen is None:
+            seen = _AGREED[topo.world_group] = OrderedDict()
+        if signature in seen:
+            seen.move_to_end(signature)
+            return False
+        seen[signature] = None
+        if len(seen) > _AGREED_MAX:
+            seen.popitem(last=False)
+        return True
+
+
+def _agree(topo: Topology, signature: tuple, device: torch.device) -> None:
+    """Exchange ``signature`` with every rank of the topology; all raise the same ``ValueError`` if they differ."""
+    mine = torch.tensor(signature, dtype=torch.int64, device=device)
+    table = torch.empty(topo.world_size * mine.numel(), dtype=torch.int64, device=device)
+    _all_gather(table, mine, group=topo.world_group)
+    rows = table.view(topo.world_size, -1).tolist()
+    if all(row == rows[0] for row in rows):
+        return
+    with _AGREED_LOCK:  # not agreed after all: a later call with it checks again
+        _AGREED.get(topo.world_group, {}).pop(signature, None)
+    names = {1: METHODS, 2: INTER_METHODS, 4: tuple(str(d).replace("torch.", "") for d in _DTYPES)}
+    differ = []
+    for i, field in enumerate(_SIGNATURE):
+        values = [row[i] for row in rows]
+        if len(set(values)) > 1:
+            shown = [names[i][v] if i in names and 0 <= v < len(names[i]) else v for v in values]
+            if i == 3:
+                shown = [v if v else "None" for v in shown]
+            differ.append(f"{field}: " + ", ".join(f"rank {r} {v}" for r, v in enumerate(shown)))
+    raise ValueError(
+        "onebit_all_reduce: the ranks called it with different arguments (" + "; ".join(differ) + "), so their "
+        "collectives would not match (a rank would hang or read garbage); nothing was exchanged. Every rank must pass "
+        "u with the same number of elements and dtype, the same method, inter_method and chunk_numel, and a topology "
+        "of the same layout."
+    )
+
+
+def _effective_step(chunk_numel: int | None, align: int, padded: int) -> int:
+    # elements per round: all of them, or chunk_numel rounded down to whole bytes of every shard (at least one)
+    return padded if chunk_numel is None else max(align, int(chunk_numel) // align * align)
+
+
+def check_agreement(
+    numel: int,
+    *,
+    topology: Topology | None = None,
+    method: str = DEFAULT_METHOD,
+    inter_method: str = DEFAULT_INTER_METHOD,
+    chunk_numel: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> None:
+    """Check now, with every rank of ``topology``, that all will call :func:`onebit_all_reduce` with ``numel``
+    elements of ``dtype`` and the same settings; every rank raises the same ``ValueError`` otherwise.
+
+    :func:`onebit_all_reduce` does this itself on the first call with new arguments; a caller that must not change
+    any state before a failing check (``StepAllReduce``) calls it first. Collective on a new signature (one
+    all-gather of 7 int64 on ``device``); free afterwards (a cache lookup).
+    """
+    check_settings(method, inter_method, chunk_numel)
+    topo = _default_topology() if topology is None else topology
+    if not isinstance(topo, Topology):
+        raise TypeError(f"topology must be a birder_hf.Topology, got {type(topo).__name__}")
+    method = _effective_method(method, topo.local_world_size, topo.num_nodes)
+    align = _alignment(method, topo.world_size, topo.local_world_size, topo.num_nodes, inter_method)
+    padded = -(-numel // align) * align
+    step = _effective_step(chunk_numel, align, padded) if padded and chunk_numel is not None else 0
+    _check_device(topo.world_group, torch.device(device))
+    signature = _signature(topo, numel, method, inter_method, step, dtype)
+    if not _claim(topo, signature):
+        return
+
+    def start(wire):
+        _agree(topo, signature, torch.device(device))
+        return None, DONE
+
+    launch_in_order(topo, Job(Wire(topo, None), start, lambda wire, recv: None), async_op=False)
+
+
+def _default_topology() -> Topology:
+    return Topology.flat(dedicated=False)
+
+
 # ------------------------------------------------------------------------------------ the 1-bit all-reduce
 def _count_planes(rows: torch.Tensor) -> torch.Tensor:
     """The vote counts of ``m`` packed rows ``(m, P)``, as ``m.bit_length()`` packed binary digits ``(B, P)``.
@@ -496,7 +634,7 @@ def onebit_all_reduce(
             draws a seed from torch's default generator. (``generator=`` is its deprecated old name.)
         async_op (`bool`): return a ``torch.futures.Future`` whose value is ``d`` (usable from a DDP
             communication hook) instead of ``d``.
-        chunk_numel (`int`, *optional*): elements per round, rounded down to a multiple of ``8·n``
+        chunk_numel (`int`, *optional*): elements per round (>= 1), rounded down to a multiple of ``8·n``
             (``8`` for allgather); bounds every receive buffer by about ``n · chunk_numel / 8`` bytes
             (higher => fewer, larger collectives). The result does not depend on it.
         stats (`CommStats`, *optional*): accumulates the bytes this rank sends.
@@ -507,6 +645,13 @@ def onebit_all_reduce(
     Returns:
         `torch.Tensor` (or a Future of it): ``d``, same shape and dtype as ``u``, bitwise identical on
         every rank.
+
+    Raises:
+        ValueError: an invalid setting (before any communication); or, on every rank, ranks that passed different
+            arguments (``u``'s number of elements or dtype, ``method``, ``inter_method``, ``chunk_numel``, the
+            topology's layout): the first call with new arguments exchanges them (one all-gather of 7 int64, see
+            :func:`check_agreement`), later calls with the same ones only look them up. Checked in call order on
+            every rank; a rank that changes its arguments after calls the others repeat is not caught.
 
     Example::
 
@@ -521,10 +666,10 @@ def onebit_all_reduce(
             stacklevel=2,
         )
         keys = generator
-    _check_method(method, inter_method)
+    check_settings(method, inter_method, chunk_numel)
     if not isinstance(u, torch.Tensor) or not u.is_floating_point():
         raise TypeError(f"u must be a floating-point tensor (fp16/bf16/fp32/fp64), got {getattr(u, 'dtype', u)}")
-    topo = Topology.flat(dedicated=False) if topology is None else topology
+    topo = _default_topology() if topology is None else topology
     if not isinstance(topo, Topology):
         raise TypeError(f"topology must be a birder_hf.Topology, got {type(topo).__name__}")
     _check_device(topo.world_group, u.device)
@@ -540,35 +685,42 @@ def onebit_all_reduce(
             f"{out.numel()} elements of {out.dtype} on {out.device}{'' if out.is_contiguous() else ', non-contiguous'}"
         )
     result, out = out, out.detach().view(-1)
+    align = _alignment(method, n, topo.local_world_size, topo.num_nodes, inter_method)
+    padded = -(-numel // align) * align
+    step = _effective_step(chunk_numel, align, padded) if padded else 0
+    # the first call with these arguments checks that every rank passed the same (then a cache lookup)
+    signature = _signature(topo, numel, method, inter_method, step if chunk_numel is not None else 0, u.dtype)
+    check = _claim(topo, signature)
     if stats is not None:
         stats.calls += 1
         stats.fp32_allreduce_bytes += fp32_allreduce_bytes(numel, n)
-
-    # quantize my votes once (so u may change after an async return); padding votes -1 (bit 0)
-    align = _alignment(method, n, topo.local_world_size, topo.num_nodes, inter_method)
-    padded = -(-numel // align) * align
-    packed = keys.quantize_pack(flat, 0, STAGE_WORKER, topo.rank) if numel else flat.new_empty(0, dtype=torch.uint8)
-    if packed.numel() * 8 != padded:
-        packed = torch.cat([packed, packed.new_zeros(padded // 8 - packed.numel())])
-    if not padded:
+    if not padded and not check:  # nothing to exchange, nothing to check
         if not async_op:
             return result
         fut = torch.futures.Future(devices=[out.device] if out.device.type == "cuda" else None)
         fut.set_result(result)
         return fut
-    step = padded if chunk_numel is None else max(align, int(chunk_numel) // align * align)
-    chunks = [(c0, min(c0 + step, padded)) for c0 in range(0, padded, step)]
+
+    # quantize my votes once (so u may change after an async return); padding votes -1 (bit 0)
+    packed = keys.quantize_pack(flat, 0, STAGE_WORKER, topo.rank) if numel else flat.new_empty(0, dtype=torch.uint8)
+    if packed.numel() * 8 != padded:
+        packed = torch.cat([packed, packed.new_zeros(padded // 8 - packed.numel())])
+    chunks = [(c0, min(c0 + step, padded)) for c0 in range(0, padded, step)] if padded else []
     plan = _Plan(topo, method, inter_method, keys, packed, out)
 
     def start(wire):
+        if check:
+            _agree(topo, signature, u.device)
+        if not chunks:
+            return None, DONE
         return plan.start(wire, *chunks[0])
 
     def finish(wire, recv):
-        plan.finish(wire, *chunks[0], recv)
-        for c0, c1 in chunks[1:]:
-            more, work = plan.start(wire, c0, c1)
-            work.wait()
-            plan.finish(wire, c0, c1, more)
+        for i, (c0, c1) in enumerate(chunks):
+            if i:
+                recv, work = plan.start(wire, c0, c1)
+                work.wait()
+            plan.finish(wire, c0, c1, recv)
         return result
 
     return launch_in_order(topo, Job(Wire(topo, stats), start, finish), async_op=async_op)

@@ -20,8 +20,15 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .base import Communicator, OneBitOptimizer, Update, all_finite
-from .collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, CommStats, _check_method, onebit_all_reduce
+from .base import Communicator, OneBitOptimizer, Update, all_finite, state_dtype
+from .collectives import (
+    DEFAULT_INTER_METHOD,
+    DEFAULT_METHOD,
+    CommStats,
+    check_agreement,
+    check_settings,
+    onebit_all_reduce,
+)
 from .topology import Topology
 
 __all__ = ["HookState", "StepAllReduce", "agree"]
@@ -63,6 +70,8 @@ class HookState(Communicator):
 
     optimizer_class: type = OneBitOptimizer
     hook_name = "the hook"
+    # skip a parameter no rank computed a gradient for, as a gradient of None does (see finish_step)
+    skip_unused: bool = False
 
     __slots__ = (
         # settings
@@ -73,6 +82,9 @@ class HookState(Communicator):
         "_pending",
         "_flags",
         "_step_stats",
+        "_used",  # parameters that got a gradient since the last step (their post-accumulate-grad hook ran)
+        "_watched",  # parameters with that hook, and its handles
+        "_handles",
         # statistics
         "stats",
         "last_step_stats",
@@ -101,7 +113,65 @@ class HookState(Communicator):
         self._flags: list[torch.Tensor] = []
         self.stats, self.last_step_stats, self._step_stats = CommStats(), CommStats(), CommStats()
         self.steps_communicated = self.skipped_steps = 0
+        self._used, self._watched, self._handles = set(), set(), []
+        self._agree_settings(optimizer)
         self.attach(optimizer)
+        if self.skip_unused and self.check_finite:
+            self._watch([p for g in optimizer.param_groups for p in g["params"]])
+
+    def _watch(self, params) -> None:
+        # one Python call per parameter per backward: how a rank knows which parameters it used this step (DDP
+        # hands the hook zeros for an unused one, and with zero_grad(set_to_none=False) its .grad is a zero tensor)
+        for p in params:
+            if p.requires_grad and p not in self._watched:
+                self._watched.add(p)
+                self._handles.append(p.register_post_accumulate_grad_hook(self._used.add))
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._watched = [], set()
+        super().detach()
+
+    def _settings(self, optimizer) -> dict:
+        """What every rank's hook state must share: its own settings, the layout, the optimizer's settings."""
+        out = {"hook": type(self).__name__, "check_finite": self.check_finite}
+        out["layout"] = (self.topology.num_nodes, self.topology.local_world_size)
+        out["parameters"] = [tuple(p.shape) for g in optimizer.param_groups for p in g["params"]]
+        for i, group in enumerate(optimizer.param_groups):
+            for key in optimizer.settings:
+                if key not in ("seed", "foreach"):  # neither changes the result on any rank
+                    value = group[key]
+                    out[f"param group {i} {key}"] = float(value) if isinstance(value, torch.Tensor) else value
+        return out
+
+    def _agree_settings(self, optimizer) -> None:
+        # Collective: one all-gather when the hook state is built, so that ranks set up differently (a method, a
+        # learning rate, check_finite) fail here, together, instead of hanging or drifting apart during training.
+        topo = self.topology
+        if topo.world_size == 1:
+            return
+        mine = self._settings(optimizer)
+        table: list = [None] * topo.world_size
+        dist.all_gather_object(table, mine, group=topo.world_group)
+        keys = list(dict.fromkeys(k for row in table for k in row))
+        differ = [k for k in keys if any(row.get(k) != table[0].get(k) for row in table)]
+        if differ:
+            shown = "; ".join(
+                f"{k}: " + ", ".join(f"rank {r} {row.get(k)!r}" for r, row in enumerate(table)) for k in differ[:4]
+            )
+            raise ValueError(
+                f"{type(self).__name__}: the ranks were set up differently ({shown}). Every rank must build its hook "
+                f"state with the same settings, and its {type(optimizer).__name__} with the same parameters and "
+                "settings (the replicas would drift apart, or the ranks' collectives would not match)."
+            )
+
+    def _abort_bucket(self, params: list[torch.Tensor]) -> None:
+        """Forget what the current bucket staged (its hook failed): the next backward starts clean."""
+        for p in params:
+            self._pending.pop(p, None)
+        if self.check_finite and self._flags:
+            self._flags.pop()  # the bucket's flag: the last one _begin_bucket appended
 
     @property
     def description(self) -> str:
@@ -135,6 +205,10 @@ class HookState(Communicator):
             items.append((p, g, group))
         if self.check_finite:
             self._flags.append(_nonfinite_flag(buffer))
+            if self.skip_unused:  # a parameter added since: watched from now on, counted as used this step
+                new = [p for p, _, _ in items if p not in self._watched]
+                self._watch(new)
+                self._used.update(new)
         return items
 
     def _stage(self, p: torch.Tensor, group: dict, record) -> None:
@@ -143,15 +217,22 @@ class HookState(Communicator):
     def finish_step(self) -> dict[torch.Tensor, Staged] | None:
         """Called by ``optimizer.step()``: agree with every rank that the step is finite, close its statistics and
         hand over what the hook staged (``None``: a rank had a non-finite gradient and every rank skips)."""
-        pending, flags = self._pending, self._flags
+        pending, flags, used = self._pending, self._flags, set(self._used)
         self._pending, self._flags = {}, []
+        self._used.clear()  # the same set: the parameters' hooks add to it
         step_stats, self._step_stats = self._step_stats, CommStats()
         self.stats += step_stats
         self.last_step_stats = step_stats
+        unused = []
         if self.check_finite and pending:
             dev = next(iter(pending)).device
             bad = torch.stack(flags).any().to(torch.float32).reshape(1) if flags else torch.zeros(1, device=dev)
-            if agree(bad, self.topology.world_group).item() != 0.0:
+            # with skip_unused: [non-finite, then: used on this rank, per parameter in the optimizer's order]
+            order = sorted(pending, key=self.optimizer.param_index) if self.skip_unused else []
+            mine = torch.tensor([p in used or p not in self._watched for p in order], dtype=torch.float32)
+            agreed = agree(torch.cat([bad, mine.to(dev)]), self.topology.world_group).tolist()
+            unused = [p for p, flag in zip(order, agreed[1:]) if flag == 0.0]
+            if agreed[0] != 0.0:
                 self.skipped_steps += 1
                 warnings.warn(
                     f"{type(self.optimizer).__name__}: a rank had a non-finite gradient; every rank skipped the step.",
@@ -169,6 +250,8 @@ class HookState(Communicator):
                 f"parameter {type(self.optimizer).__name__} optimizes must belong to the DDP model the hook is "
                 "registered on."
             )
+        for p in unused:  # no rank computed a gradient for it: no step, as for a gradient of None
+            del pending[p]
         if pending:
             self.steps_communicated += 1
         return pending
@@ -201,7 +284,7 @@ class StepAllReduce(Communicator):
         chunk_numel: int | None = None,
     ):
         method = DEFAULT_METHOD if method is None else method
-        _check_method(method, inter_method)
+        check_settings(method, inter_method, chunk_numel)
         if topology is None:
             topology = Topology.flat(process_group)
         elif not isinstance(topology, Topology):
@@ -225,17 +308,29 @@ class StepAllReduce(Communicator):
             )
             return None
         used = {p for p, f in zip(params, flags[1:].tolist()) if f}
-        batch, us = [], []
-        for group in opt.param_groups:
-            ps = [p for p in group["params"] if p in used]
-            if not ps:
-                continue
-            gs = [grads[p] if p in grads else torch.zeros_like(p) for p in ps]
-            batch.append((group, ps))
-            us += opt.encode(group, ps, gs)
+        batch = [(g, [p for p in g["params"] if p in used]) for g in opt.param_groups]
+        batch = [(g, ps) for g, ps in batch if ps]
         if not batch:
             return []
         ordered = [p for _, ps in batch for p in ps]
+        # before any state changes: the parameters still match their state, and every rank makes the same call
+        # (one all-gather the first time this set of parameters is used; a cache lookup afterwards)
+        opt.check_state_matches(ordered)
+        dtype = ordered[0].new_empty(0, dtype=state_dtype(ordered[0])).dtype
+        for p in ordered[1:]:
+            dtype = torch.promote_types(dtype, state_dtype(p))
+        check_agreement(
+            sum(p.numel() for p in ordered),
+            topology=self.topology,
+            method=self.method,
+            inter_method=self.inter_method,
+            chunk_numel=self.chunk_numel,
+            dtype=dtype,
+            device=dev,
+        )
+        us = []
+        for group, ps in batch:
+            us += opt.encode(group, ps, [grads[p] if p in grads else torch.zeros_like(p) for p in ps])
         keys = opt.bit_keys(ordered, [int(opt.state[p]["step"]) for p in ordered])
         flat = torch.cat([u.reshape(-1) for u in us])
         d = onebit_all_reduce(

@@ -7,6 +7,8 @@ configured one is ``initial_lr``), and only that optimizer's settings.
 
 from __future__ import annotations
 
+import torch
+
 from .base import unwrap_optimizer
 from .onebit_adam import OneBitAdam
 from .optim import Birder
@@ -24,7 +26,8 @@ CITATION = """```bibtex
 
 
 def _configured(group: dict, name: str):
-    return group.get("initial_" + name, group[name])
+    value = group.get("initial_" + name, group[name])
+    return float(f"{value.item():.7g}") if isinstance(value, torch.Tensor) else value  # a Tensor lr, as a number
 
 
 def optimizer_settings(optimizer, communication: dict | None = None) -> dict:

@@ -15,7 +15,6 @@ Deviations from DeepSpeed (``docs/ONEBIT_ADAM.md``):
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
-import math
 import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -23,7 +22,19 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .base import OneBitOptimizer, state_dtype
+from .base import (
+    FLAG,
+    NON_NEGATIVE,
+    OneBitOptimizer,
+    Setting,
+    _rule,
+    choice,
+    is_integer,
+    is_real_number,
+    state_dtype,
+    step_problem,
+    tensor_problem,
+)
 from .collectives import Job, Wire, fp32_allreduce_bytes, launch_in_order
 from .communicators import HookState
 from .quantize import pack_bits, unpack_bits
@@ -32,6 +43,11 @@ from .topology import Topology
 __all__ = ["OneBitAdam", "OneBitAdamHookState", "onebit_adam_hook", "compress_with_feedback", "shard_layout"]
 
 SCALINGS = ("l2", "l1")
+
+
+def _betas_problem(betas) -> str | None:
+    ok = isinstance(betas, tuple) and len(betas) == 2 and all(is_real_number(b) and 0 <= b < 1 for b in betas)
+    return None if ok else "{name} must be two floats in [0, 1), e.g. (0.9, 0.999)"
 
 
 class OneBitAdam(OneBitOptimizer):
@@ -86,6 +102,21 @@ class OneBitAdam(OneBitOptimizer):
         ...     opt.zero_grad()
     """
 
+    settings = {
+        "lr": _rule(lambda v: is_real_number(v) and v >= 0, "a finite float >= 0"),
+        "betas": Setting(_betas_problem),
+        "eps": NON_NEGATIVE,
+        "weight_decay": NON_NEGATIVE,
+        "freeze_step": _rule(
+            lambda v: is_integer(v) and v >= 1,
+            "an int >= 1: the number of full-precision Adam warm-up steps, after which the variance is frozen (with "
+            "0 it would stay zero); the paper uses about 15-25% of training",
+        ),
+        "bias_correction": FLAG,
+        "scaling": choice(SCALINGS),
+    }
+    state_keys = ("step", "exp_avg", "exp_avg_sq", "worker_error", "server_error", "server_shard")
+
     def __init__(
         self,
         params,
@@ -107,12 +138,35 @@ class OneBitAdam(OneBitOptimizer):
             bias_correction=bool(bias_correction),
             scaling=scaling,
         )
-        _validate(defaults)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults)  # validates every setting and parameter
 
-    def add_param_group(self, param_group: dict) -> None:
-        _validate({k: v for k, v in param_group.items() if k != "params"})
-        super().add_param_group(param_group)
+    def _state_problem(self, p: torch.Tensor, state: dict, group: dict) -> str | None:
+        unknown = sorted(set(state) - set(self.state_keys))
+        if unknown:
+            return f"has keys {unknown} that OneBitAdam's state does not have"
+        missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in state]
+        if missing:
+            return f"lacks {missing}"
+        full = [k for k in ("exp_avg", "exp_avg_sq", "worker_error") if k in state]
+        problem = step_problem(state["step"]) or next(
+            filter(None, (tensor_problem(state, k, p.shape) for k in full)), None
+        )
+        if problem is not None:
+            return problem
+        if not bool((state["exp_avg_sq"] >= 0).all()):
+            return "has a negative exp_avg_sq"
+        if ("server_error" in state) != ("server_shard" in state):
+            return "has only one of server_error and server_shard"
+        if "server_shard" in state:
+            shard = state["server_shard"]
+            if (
+                not (isinstance(shard, (tuple, list)) and len(shard) == 2 and all(map(is_integer, shard)))
+                or not 0 <= shard[0] < shard[1]
+            ):
+                return f"has server_shard={shard!r}, not (rank, world_size)"
+            length = shard_layout(p.numel(), shard[1])[1][shard[0]]
+            return tensor_problem(state, "server_error", (length,))
+        return None
 
     # --------------------------------------------------------------------- protocol for communicators
     def init_state(self, p: torch.Tensor, group: dict | None = None) -> dict:
@@ -188,33 +242,6 @@ class OneBitAdam(OneBitOptimizer):
                 record.server_error,
             )
             _adam_update(p, st, group)
-
-
-def _validate(d: dict) -> None:
-    def bad(name, why):
-        raise ValueError(f"Invalid {name}: {d[name]!r}; {why}.")
-
-    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    if "lr" in d and not (number(d["lr"]) and d["lr"] >= 0):
-        bad("lr", "lr must be a float >= 0")
-    if "betas" in d:
-        b = d["betas"]
-        if not (isinstance(b, tuple) and len(b) == 2 and all(number(x) and 0 <= x < 1 for x in b)):
-            bad("betas", "betas must be two floats in [0, 1), e.g. (0.9, 0.999)")
-    if "eps" in d and not (number(d["eps"]) and d["eps"] >= 0):
-        bad("eps", "eps must be >= 0")
-    if "weight_decay" in d and not (number(d["weight_decay"]) and d["weight_decay"] >= 0):
-        bad("weight_decay", "weight_decay must be >= 0")
-    if "freeze_step" in d:
-        f = d["freeze_step"]
-        if not isinstance(f, int) or isinstance(f, bool) or f < 1:
-            bad(
-                "freeze_step",
-                "freeze_step must be an int >= 1: the number of full-precision Adam warm-up steps, after which "
-                "the variance is frozen (with 0 it would stay zero); the paper uses about 15-25% of training",
-            )
-    if "scaling" in d and d["scaling"] not in SCALINGS:
-        bad("scaling", f"choose one of {SCALINGS}")
 
 
 def _local_momentum(st: dict, grad: torch.Tensor, group: dict) -> torch.Tensor:
@@ -372,10 +399,18 @@ def onebit_adam_hook(state: OneBitAdamHookState, bucket: dist.GradBucket) -> tor
     One all-to-all and one all-gather of ``(c/8 + 4k)`` bytes per peer per bucket (``c`` the elements
     of one shard of the bucket's ``k`` parameters, padded to whole bytes).
     """
+    items = state._begin_bucket(bucket)
+    try:
+        return _start_bucket(state, bucket.buffer(), items)
+    except BaseException:
+        state._abort_bucket([p for p, _, _ in items])  # nothing of this bucket stays staged
+        raise
+
+
+def _start_bucket(state: OneBitAdamHookState, buffer: torch.Tensor, items: list):
     opt, topo = state.optimizer, state.topology
     n, rank = topo.world_size, topo.rank
-    buffer = bucket.buffer()
-    items = state._begin_bucket(bucket)
+    opt.check_state_matches([p for p, _, _ in items])
     phases = {opt.compressing(p, group) for p, _, group in items}
     if len(phases) > 1:
         raise RuntimeError(

@@ -27,7 +27,22 @@ from typing import NamedTuple
 
 import torch
 
-from .base import OneBitOptimizer, Update, all_finite, state_dtype
+from .base import (
+    FLAG,
+    INTEGER,
+    LR,
+    NON_NEGATIVE,
+    OPTIONAL_FLAG,
+    OneBitOptimizer,
+    Update,
+    _rule,
+    all_finite,
+    is_integer,
+    is_real_number,
+    state_dtype,
+    step_problem,
+    tensor_problem,
+)
 from .quantize import STAGE_WORKER, BitKeys, quantize_bits
 
 __all__ = ["Birder", "birder", "birder_encode", "birder_apply", "EncodeOut", "StateBuffers"]
@@ -68,13 +83,15 @@ class Birder(OneBitOptimizer):
     gradients; ``birder_hf.checkpoint`` saves one file per rank.
 
     Edge cases: parameters without ``.grad`` are skipped (no state, step not counted); zero-size
-    parameters are allowed; sparse gradients raise; coordinates whose gradient has always been 0 have
+    parameters are allowed; integer and complex parameters, and a parameter listed twice, are refused at
+    construction; sparse gradients raise; coordinates whose gradient has always been 0 have
     :math:`b = 0`, hence :math:`u = 0` and a fair coin :math:`q = \pm 1` (mean 0: unbiased, but with
     ``quantize=True`` they random-walk by :math:`\pm\eta`); with ``quantize=False`` they only decay.
 
     Args:
         params (`iterable`): parameters or param groups.
-        lr (`float`, *optional*, defaults to `1e-3`): learning rate :math:`\eta` (>= 0).
+        lr (`float` or `Tensor`, *optional*, defaults to `1e-3`): learning rate :math:`\eta` (>= 0); a
+            1-element Tensor works too (as in ``torch.optim``: a scheduler may change it in place).
         beta (`float`, *optional*, defaults to `0.95`): EMA factor :math:`\beta` in ``[0, 1)``.
         weight_decay (`float`, *optional*, defaults to `0.0`): decoupled weight decay :math:`\lambda` (>= 0).
         quantize (`bool`, *optional*, defaults to `True`): binary randomization; ``False`` uses
@@ -84,6 +101,8 @@ class Birder(OneBitOptimizer):
             default generator (so ``torch.manual_seed`` makes runs repeatable). Saved in ``state_dict``.
         foreach (`bool`, *optional*): use the multi-tensor path (default: on CUDA tensors).
         maximize (`bool`, *optional*, defaults to `False`): maximize the objective.
+        differentiable (`bool`, *optional*, defaults to `False`): ``True`` is refused (random signs have no
+            useful derivative); accepted for ``torch.optim``'s keyword set.
         process_group (`ProcessGroup`, *optional*): run the 1-bit all-reduce in ``step()`` over this group.
         topology (`birder_hf.Topology`, *optional*): as ``process_group``, with a node topology.
         method (`str`, *optional*, defaults to `"hierarchical"`): the ``onebit_all_reduce`` method used with
@@ -97,10 +116,23 @@ class Birder(OneBitOptimizer):
         >>> opt.step()
     """
 
+    settings = {
+        "lr": LR,
+        "beta": _rule(lambda v: is_real_number(v) and 0 <= v < 1, "a float in [0, 1) (the paper uses 0.95)"),
+        "weight_decay": NON_NEGATIVE,
+        "quantize": FLAG,
+        "amsgrad": FLAG,
+        "seed": INTEGER,
+        "foreach": OPTIONAL_FLAG,
+        "maximize": FLAG,
+    }
+    optional_settings = ("foreach", "maximize")
+    state_keys = ("step", "exp_avg", "exp_avg_abs", "max_exp_avg_abs")
+
     def __init__(
         self,
         params,
-        lr: float = 1e-3,
+        lr: float | torch.Tensor = 1e-3,
         beta: float = 0.95,
         weight_decay: float = 0.0,
         *,
@@ -109,17 +141,17 @@ class Birder(OneBitOptimizer):
         seed: int | None = None,
         foreach: bool | None = None,
         maximize: bool = False,
+        differentiable: bool = False,
         process_group=None,
         topology=None,
         method: str | None = None,
         comm_method: str | None = None,
     ):
-        if not isinstance(lr, (int, float)) or lr < 0.0:
-            raise ValueError(f"Invalid learning rate: {lr!r}; lr must be a float >= 0.")
-        if not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
-            raise ValueError(f"Invalid beta: {beta!r}; beta must lie in [0, 1) (the paper uses 0.95).")
-        if not isinstance(weight_decay, (int, float)) or weight_decay < 0.0:
-            raise ValueError(f"Invalid weight_decay: {weight_decay!r}; weight_decay must be >= 0.")
+        if differentiable is not False:
+            raise ValueError(
+                f"Invalid differentiable={differentiable!r}: Birder does not support differentiable=True (its step "
+                "draws random signs, which have no useful derivative); leave it False."
+            )
         if process_group is not None and topology is not None:
             raise ValueError("Pass process_group= or topology=, not both.")
         if comm_method is not None:
@@ -133,11 +165,11 @@ class Birder(OneBitOptimizer):
             weight_decay=weight_decay,
             quantize=quantize,
             amsgrad=amsgrad,
-            seed=int(seed),
+            seed=int(seed) if is_integer(seed) else seed,  # a numpy int becomes a Python int (weights_only loads)
             foreach=foreach,
             maximize=maximize,
         )
-        super().__init__(params, defaults)
+        super().__init__(params, defaults)  # validates every setting and parameter
         if topology is not None or process_group is not None:
             if not quantize:
                 raise ValueError("quantize=False sends full-precision u and is for one process only; drop it.")
@@ -149,16 +181,6 @@ class Birder(OneBitOptimizer):
                 "method= chooses the optimizer-side 1-bit all-reduce: pass process_group= or topology= with it (with "
                 "the DDP hook, give method= to BirderHookState instead)."
             )
-
-    def add_param_group(self, param_group: dict) -> None:
-        for name, check in (
-            ("lr", lambda v: v >= 0),
-            ("beta", lambda v: 0 <= v < 1),
-            ("weight_decay", lambda v: v >= 0),
-        ):
-            if name in param_group and not check(param_group[name]):
-                raise ValueError(f"Invalid {name} {param_group[name]!r} in a param group")
-        super().add_param_group(param_group)
 
     @property
     def seed(self) -> int:
@@ -184,12 +206,10 @@ class Birder(OneBitOptimizer):
 
         Without ``out``: count a step and update their ``m`` and ``b`` in place. With ``out``: leave the state alone
         and write the new ``m``, ``b`` (and ``u``) into ``out`` (staged: :meth:`commit_state` makes them the state).
+        Callers check every parameter of the step with :meth:`check_state_matches` first.
         """
         states = [self.init_state(p, group) for p in params]
-        if out is None:
-            for s in states:
-                s["step"] += 1
-        return birder_encode(
+        us = birder_encode(
             grads,
             [s["exp_avg"] for s in states],
             [s["exp_avg_abs"] for s in states],
@@ -199,6 +219,30 @@ class Birder(OneBitOptimizer):
             foreach=group["foreach"],
             out=out,
         )
+        if out is None:  # counted once the math is done: a failure above leaves every counter as it was
+            for s in states:
+                s["step"] += 1
+        return us
+
+    def _state_problem(self, p: torch.Tensor, state: dict, group: dict) -> str | None:
+        unknown = sorted(set(state) - set(self.state_keys))
+        if unknown:
+            return f"has keys {unknown} that Birder's state does not have"
+        missing = [k for k in ("step", "exp_avg", "exp_avg_abs") if k not in state]
+        if missing:
+            return f"lacks {missing}"
+        tensors = [k for k in ("exp_avg", "exp_avg_abs", "max_exp_avg_abs") if k in state]
+        problem = step_problem(state["step"]) or next(
+            filter(None, (tensor_problem(state, k, p.shape) for k in tensors)), None
+        )
+        if problem is not None:
+            return problem
+        m, b = state["exp_avg"], state["exp_avg_abs"]
+        if not bool((b >= m.abs()).all()):  # holds in floating point for every state Birder writes (monotone rounding)
+            return "breaks |exp_avg| <= exp_avg_abs (then u = m / b would leave [-1, 1])"
+        if "max_exp_avg_abs" in state and not bool((state["max_exp_avg_abs"] >= b).all()):
+            return "breaks exp_avg_abs <= max_exp_avg_abs"
+        return None
 
     def commit_state(self, p: torch.Tensor, staged: StateBuffers) -> StateBuffers:
         """Make ``staged`` (``p``'s new ``m``, ``b``, max ``b``) its state and count the step.
@@ -235,6 +279,7 @@ class Birder(OneBitOptimizer):
                 "Birder: non-finite gradient; this step was skipped (state untouched).", RuntimeWarning, stacklevel=4
             )
             return None
+        self.check_state_matches([p for gg in batch for p in gg.params])
         updates = []
         for group, params, grads in batch:
             us = self.encode(group, params, grads)
@@ -298,12 +343,29 @@ def birder_apply(params: list[torch.Tensor], directions: list[torch.Tensor], *, 
     Two in-place passes, no temporaries: :math:`x \leftarrow (1 - \eta\lambda) x - \eta d`; bf16/fp16
     parameters are updated in float32 and rounded once.
     """
+    if isinstance(lr, torch.Tensor):
+        return _apply_tensor_lr(params, directions, lr, weight_decay)
     decay = 1.0 - lr * weight_decay
     for p, d in zip(params, directions):
         x = p.float() if p.dtype in (torch.float16, torch.bfloat16) else p
         if decay != 1.0:
             x.mul_(decay)
         x.add_(d.to(x.dtype), alpha=-lr)
+        if x is not p:
+            p.copy_(x)
+
+
+def _apply_tensor_lr(params, directions, lr: torch.Tensor, weight_decay: float) -> None:
+    # a 1-element Tensor lr (a scheduler may change it in place): read on its device, never on the host
+    rates: dict[tuple, torch.Tensor] = {}
+    for p, d in zip(params, directions):
+        x = p.float() if p.dtype in (torch.float16, torch.bfloat16) else p
+        rate = rates.get((x.device, x.dtype))
+        if rate is None:
+            rate = rates[(x.device, x.dtype)] = lr.detach().reshape(()).to(device=x.device, dtype=x.dtype)
+        if weight_decay != 0:
+            x.mul_(1 - rate * weight_decay)
+        x.addcmul_(d.to(x.dtype), rate, value=-1)
         if x is not p:
             p.copy_(x)
 

@@ -48,10 +48,16 @@ def _build_group(enumeration: list[list[int]], world_group):
     return mine
 
 
-def _positive_int(where: str, name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{where}: {name} must be an int >= 1, got {value!r}.")
-    return value
+def _layout_problem(where: str, num_nodes, local_world_size, world: int) -> str | None:
+    for name, value in (("num_nodes", num_nodes), ("local_world_size", local_world_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return f"{where}: {name} must be an int >= 1, got {value!r}."
+    if num_nodes * local_world_size != world:
+        return (
+            f"{where}: num_nodes x local_world_size must equal the world size {world}; choose a "
+            f"local_world_size that divides {world}."
+        )
+    return None
 
 
 _ENV_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "LOCAL_RANK")
@@ -113,6 +119,11 @@ class Topology:
                 other collectives on ``group`` (see the module docstring).
         """
         _require_initialized("Topology.flat")
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(
+                f"Topology.flat(group): group must be a torch.distributed ProcessGroup or None (the default group), "
+                f"got {type(group).__name__}."
+            )
         group = dist.group.WORLD if group is None else group
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         if rank < 0:
@@ -147,22 +158,25 @@ class Topology:
         """
         where = f"Topology.from_layout({num_nodes!r}, {local_world_size!r})"
         _require_initialized("Topology.from_layout")
-        k = _positive_int(where, "num_nodes", num_nodes)
-        lws = _positive_int(where, "local_world_size", local_world_size)
         world = dist.get_world_size()
-        if k * lws != world:
-            raise ValueError(
-                f"{where}: num_nodes x local_world_size must equal the world size {world}; choose a "
-                f"local_world_size that divides {world}."
-            )
+        problem = _layout_problem(where, num_nodes, local_world_size, world)
         if world > 1:
-            layouts: list = [None] * world
-            dist.all_gather_object(layouts, (k, lws))
-            if len(set(layouts)) > 1:
+            # gather first, then every rank judges the same table: all raise together, none waits for the others
+            table: list = [None] * world
+            dist.all_gather_object(table, (repr(num_nodes), repr(local_world_size), problem))
+            problems = [(r, row[2]) for r, row in enumerate(table) if row[2]]
+            if problems:
+                r, problem = problems[0]
+                raise ValueError(problem if len({row[:2] for row in table}) == 1 else f"rank {r}: {problem}")
+            if len({row[:2] for row in table}) > 1:
+                layouts = ", ".join(f"rank {r} ({row[0]}, {row[1]})" for r, row in enumerate(table))
                 raise ValueError(
-                    f"Topology.from_layout: the ranks asked for different layouts {sorted(set(layouts))} "
-                    "(num_nodes, local_world_size); every rank must pass the same arguments."
+                    f"Topology.from_layout: the ranks asked for different layouts (num_nodes, local_world_size): "
+                    f"{layouts}; every rank must pass the same arguments."
                 )
+        elif problem:
+            raise ValueError(problem)
+        k, lws = num_nodes, local_world_size
         return cls._from_grid([[g * lws + j for j in range(lws)] for g in range(k)])
 
     @classmethod
@@ -211,7 +225,12 @@ class Topology:
         rank calls it.
         """
         _require_initialized("Topology.from_device_mesh")
-        if getattr(mesh, "ndim", None) != 2 or not hasattr(mesh, "mesh"):
+        if not hasattr(mesh, "mesh") or not hasattr(mesh, "get_group"):
+            raise TypeError(
+                f"Topology.from_device_mesh expects a torch.distributed DeviceMesh, got {type(mesh).__name__}; build "
+                "one with init_device_mesh(device, (num_nodes, local_world_size))."
+            )
+        if getattr(mesh, "ndim", None) != 2:
             raise ValueError(
                 f"Topology.from_device_mesh expects a 2-D torch.distributed DeviceMesh (nodes x local), got "
                 f"{type(mesh).__name__}{f' of {mesh.ndim} dimensions' if hasattr(mesh, 'ndim') else ''}; build one "

@@ -28,8 +28,8 @@ import logging
 import os
 
 from ..base import OneBitOptimizer, unwrap_optimizer
-from ..checkpoint import read_rank_state, save_rank_state
-from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, _check_method
+from ..checkpoint import read_own_rank_state, save_rank_state
+from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, check_settings
 from ..hook import attach_ddp_hook
 from ..topology import Topology
 
@@ -101,7 +101,7 @@ def _check_options(method: str = DEFAULT_METHOD, inter_method: str = DEFAULT_INT
     unknown = set(others) - {"chunk_numel", "check_finite"}
     if unknown:
         raise TypeError(f"register_birder_hook got unknown options {sorted(unknown)}; see birder_hf.attach_ddp_hook.")
-    _check_method(method, inter_method)
+    check_settings(method, inter_method, others.get("chunk_numel"))
 
 
 def _register_checkpoint_hooks(accelerator, optimizer: OneBitOptimizer) -> None:
@@ -110,7 +110,10 @@ def _register_checkpoint_hooks(accelerator, optimizer: OneBitOptimizer) -> None:
 
     def load_pre_hook(models, input_dir):
         # accelerate loads rank 0's optimizer state into every rank right after this hook; stage this rank's own
-        state = read_rank_state(input_dir, rank=accelerator.process_index, world_size=accelerator.num_processes)
+        # every rank together: one rank's missing or corrupt file stops them all at once
+        state = read_own_rank_state(
+            optimizer, input_dir, rank=accelerator.process_index, world_size=accelerator.num_processes
+        )
         optimizer.stage_rank_state(state)
 
     accelerator.register_save_state_pre_hook(save_pre_hook)

@@ -50,7 +50,7 @@ import os
 import shutil
 from typing import Any
 
-from ..checkpoint import read_rank_state, save_rank_state
+from ..checkpoint import read_own_rank_state, save_rank_state
 from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, INTER_METHODS, METHODS
 from ..communicators import HookState
 from ..hook import BirderHookState, attach_ddp_hook
@@ -283,7 +283,7 @@ class BirderDDPStrategy(DDPStrategy):
             return
         folder = birder_state_dir(path)
         try:
-            state = read_rank_state(folder, rank=self.global_rank, world_size=self.world_size)
+            state = read_own_rank_state(opt, folder, rank=self.global_rank, world_size=self.world_size)
         except FileNotFoundError as exc:
             raise FileNotFoundError(
                 f"{path} has no per-rank Birder state ({folder}/): it was not written by BirderDDPStrategy, or the "

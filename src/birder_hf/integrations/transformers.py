@@ -4,11 +4,14 @@ One line for users: ``Trainer(...)`` becomes ``BirderTrainer(..., birder_args=Bi
 
 Why a subclass and not only a callback: a ``TrainerCallback`` sees the unwrapped model, not the DDP
 module the hook must be registered on, and it cannot put numbers into the logs that TensorBoard and
-friends receive, nor learn which checkpoint a resume starts from. The subclass uses public seams
-only: ``create_optimizer`` (Birder by default), ``train`` (remembers ``resume_from_checkpoint``),
+friends receive, nor learn which checkpoint a resume starts from. The subclass uses the public seams
+``create_optimizer`` (Birder by default), ``train`` (remembers ``resume_from_checkpoint``),
 ``log`` (adds communication statistics), ``create_model_card`` (names Birder), plus a callback it
 installs itself for ``on_train_begin`` (after DDP wrapping and the framework's optimizer load: registers
-the hook, loads this rank's own Birder state) and ``on_save`` (writes every rank's Birder state).
+the hook, loads this rank's own Birder state, every rank together). Saving uses two private ones:
+``_save_optimizer_and_scheduler`` writes every rank's Birder state inside the checkpoint step (a callback's
+``on_save`` runs after the Trainer has marked the checkpoint complete and rotated old ones away, so a failed write
+there could leave no complete checkpoint), and ``_save_checkpoint`` says when the disk is full.
 For your own Trainer subclass: ``class MyTrainer(BirderTrainerMixin, Seq2SeqTrainer): ...``.
 ``optimizer_cls_and_kwargs=(Birder, {...})`` and ``optimizers=(Birder(...), None)`` work too.
 
@@ -28,9 +31,9 @@ import warnings
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ..base import OneBitOptimizer, unwrap_optimizer
-from ..checkpoint import read_rank_state, save_rank_state
-from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, INTER_METHODS, METHODS
+from ..base import OneBitOptimizer, is_integer, unwrap_optimizer
+from ..checkpoint import disk_full_error, read_own_rank_state, save_rank_state
+from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, INTER_METHODS, METHODS, check_settings
 from ..communicators import HookState
 from ..hook import attach_ddp_hook
 from ..model_card import model_card_section, optimizer_description
@@ -98,14 +101,29 @@ class BirderArguments:
         if self.comm_method is not None:
             warnings.warn("BirderArguments(comm_method=...) is renamed method=...", FutureWarning, stacklevel=3)
             self.method, self.comm_method = self.comm_method, None
+        # the same rules as the objects these settings build (set from Python, a value may have any type)
         if self.optimizer not in self.optimizers:
             raise ValueError(f"optimizer={self.optimizer!r}; choose one of {', '.join(self.optimizers)}.")
         if self.method not in METHODS:
             raise ValueError(f"method={self.method!r}; choose one of {', '.join(METHODS)}.")
         if self.inter_method not in INTER_METHODS:
             raise ValueError(f"inter_method={self.inter_method!r}; choose one of {', '.join(INTER_METHODS)}.")
-        if not 0.0 <= self.beta < 1.0:
-            raise ValueError(f"beta={self.beta} must lie in [0, 1).")
+        check_settings(self.method, self.inter_method, self.chunk_numel)
+        rules = {
+            "beta": Birder.settings["beta"],
+            "freeze_step": OneBitAdam.settings["freeze_step"],
+            "amsgrad": Birder.settings["amsgrad"],
+            "quantize": Birder.settings["quantize"],
+        }
+        for name, rule in rules.items():
+            problem = rule.problem(getattr(self, name))
+            if problem is not None:
+                raise ValueError(f"Invalid {name}={getattr(self, name)!r}: {problem.format(name=name)}.")
+        if self.num_nodes is not None and not (is_integer(self.num_nodes) and self.num_nodes >= 1):
+            raise ValueError(
+                f"Invalid num_nodes={self.num_nodes!r}: num_nodes must be None (the launcher's layout) or an int >= 1 "
+                "that divides the number of processes."
+            )
 
     def topology(self) -> Topology:
         """The topology these arguments ask for (collective: every rank must call it)."""
@@ -138,10 +156,10 @@ class BirderCallback(TrainerCallback):
         if not isinstance(opt, OneBitOptimizer):
             raise TypeError(f"BirderTrainer needs a Birder (or OneBitAdam) optimizer, got {type(opt).__name__}.")
         if trainer._birder_resume_dir is not None:
-            # the Trainer just loaded rank 0's optimizer.pt into every rank; take this rank's own state
-            opt.load_state_dict(
-                read_rank_state(trainer._birder_resume_dir, rank=args.process_index, world_size=args.world_size)
-            )
+            # the Trainer just loaded rank 0's optimizer.pt into every rank; take this rank's own state (every rank
+            # together: one rank's missing or corrupt file stops them all at once)
+            folder, rank, world = trainer._birder_resume_dir, args.process_index, args.world_size
+            opt.load_state_dict(read_own_rank_state(opt, folder, rank=rank, world_size=world))
         check_really_distributed(args.world_size)
         hooked = trainer.birder_hook_state
         if args.world_size == 1 or (hooked is not None and hooked.optimizer is opt):
@@ -158,10 +176,6 @@ class BirderCallback(TrainerCallback):
         )
         state = trainer.birder_hook_state
         logger.info("%s: %s registered on %r", type(opt).__name__, state.description, state.topology)
-
-    def on_save(self, args, state, control, **kwargs):
-        path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        save_rank_state(self.trainer.optimizer, path, rank=args.process_index, world_size=args.world_size)
 
 
 class BirderTrainerMixin:
@@ -201,6 +215,26 @@ class BirderTrainerMixin:
                 cls, extra = Birder, dict(beta=b.beta, amsgrad=b.amsgrad, quantize=b.quantize, seed=a.seed)
             self.optimizer_cls_and_kwargs = (cls, dict(lr=a.learning_rate, weight_decay=a.weight_decay, **extra))
         return super().create_optimizer(model) if model is not None else super().create_optimizer()
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        # every rank's own Birder state, inside the checkpoint step: before trainer_state.json marks the checkpoint
+        # complete and before old checkpoints are rotated away (a failure here keeps the previous checkpoint)
+        save_rank_state(self.optimizer, output_dir, rank=self.args.process_index, world_size=self.args.world_size)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        try:
+            super()._save_checkpoint(model, trial)
+        except Exception as exc:
+            step = f"checkpoint-{self.state.global_step}"
+            kept = f"The new {step} is incomplete (delete it); the checkpoints saved before it are kept"
+            full = disk_full_error(exc, self.args.output_dir, kept=kept)
+            if full is None:
+                raise
+            if isinstance(exc, OSError) and exc.errno == full.errno:  # it says so already
+                exc.add_note(f"birder_hf: {kept}.")
+                raise
+            raise full from exc
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         if resume_from_checkpoint is True:
