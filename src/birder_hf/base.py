@@ -36,7 +36,72 @@ from typing import NamedTuple
 import torch
 from torch.optim.optimizer import Optimizer
 
-__all__ = ["OneBitOptimizer", "Communicator", "GroupGrads", "Update", "all_finite", "state_dtype", "unwrap_optimizer"]
+__all__ = [
+    "OneBitOptimizer",
+    "Communicator",
+    "GroupGrads",
+    "Update",
+    "all_finite",
+    "state_dtype",
+    "unwrap_optimizer",
+    "is_sharded",
+    "local_tensor",
+    "shard_offset",
+    "shard_record",
+]
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``DTensor`` (FSDP2's sharded parameters and gradients are)."""
+    return hasattr(t, "placements") and hasattr(t, "to_local")
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` this rank holds: a ``DTensor``'s local shard (a view: writing it writes ``t``), else ``t``."""
+    return t.to_local() if is_sharded(t) else t
+
+
+def shard_offset(p: torch.Tensor) -> int:
+    """The index, in ``p`` flattened, of the first element of this rank's shard (0 for a plain tensor).
+
+    Birder keys a parameter's random bits by that index (``quantize.BitKeys``), so an element draws the same bit
+    whichever rank holds it. Supported layouts: ``Replicate()`` and ``Shard(0)`` (FSDP2's default: rank ``i`` of the
+    ``n`` ranks of a mesh dimension holds rows ``[i c, (i + 1) c)`` with ``c = ceil(rows / n)``), one mesh dimension
+    sharding dim 0 at most; anything else raises ``ValueError``.
+    """
+    if not is_sharded(p):
+        return 0
+    shards = [(i, pl) for i, pl in enumerate(p.placements) if pl.is_shard()]
+    if not shards:
+        return 0
+    if len(shards) > 1 or shards[0][1].dim != 0:
+        raise ValueError(
+            f"Birder supports sharded parameters with one Shard(0) placement (FSDP2's default), got {p.placements} "
+            f"for a parameter of shape {tuple(p.shape)}; drop shard_placement_fn from fully_shard."
+        )
+    mesh_dim = shards[0][0]
+    n, i = p.device_mesh.size(mesh_dim), p.device_mesh.get_local_rank(mesh_dim)
+    rows = p.shape[0]
+    chunk = -(-rows // n)
+    start = min(i * chunk, rows)
+    local = p.to_local()
+    if local.shape[0] != min(chunk, rows - start) or tuple(local.shape[1:]) != tuple(p.shape[1:]):
+        raise ValueError(
+            f"A parameter of shape {tuple(p.shape)} has a local shard of shape {tuple(local.shape)} on rank {i} of "
+            f"{n}, not the rows torch.chunk gives (FSDP2's layout); Birder cannot key its random bits."
+        )
+    return start * (p.numel() // rows if rows else 0)
+
+
+def shard_record(p: torch.Tensor) -> tuple[int, int, int] | None:
+    """``(offset, local numel, full numel)`` of this rank's shard of ``p`` (``None`` for a plain tensor).
+
+    Kept in a sharded parameter's optimizer state (key ``"shard"``) so that a resume can check that each rank holds
+    the same shard its state was built on.
+    """
+    if not is_sharded(p):
+        return None
+    return (shard_offset(p), local_tensor(p).numel(), p.numel())
 
 
 def state_dtype(p: torch.Tensor) -> torch.dtype:
@@ -223,6 +288,7 @@ class OneBitOptimizer(Optimizer):
             state_dict, self._staged_state = self._staged_state, None
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
+        self._check_shards(state_dict, saved_ids, params)
         keep = {}
         for saved_id, p in zip(saved_ids, params):
             if state_dtype(p) != p.dtype:
@@ -234,12 +300,36 @@ class OneBitOptimizer(Optimizer):
             self.state[p][key] = value.to(device=p.device, dtype=torch.float32)
         self._index_cache = None
 
+    def _check_shards(self, state_dict: dict, saved_ids: list, params: list) -> None:
+        # a sharded parameter's m, b cover this rank's shard only: they load onto the same shard or not at all
+        for index, (saved_id, p) in enumerate(zip(saved_ids, params)):
+            saved = state_dict["state"].get(saved_id)
+            if not saved or not torch.is_tensor(saved.get("exp_avg")):
+                continue
+            record = saved.get("shard")
+            record = None if record is None else tuple(int(v) for v in record)
+            if (is_sharded(p) or record is not None) and record != shard_record(p):
+                raise ValueError(
+                    f"{type(self).__name__}.load_state_dict: the state of parameter {index} (shape {tuple(p.shape)}) "
+                    f"was saved for {_describe_shard(record)} on this rank, but this rank now holds "
+                    f"{_describe_shard(shard_record(p))}. Sharded m and b belong to one shard of one node: resume on "
+                    "the same mesh shape (replicate x shard) with the same fully_shard wrapping and rank order. "
+                    "Nothing was loaded."
+                )
+
+
+def _describe_shard(record) -> str:
+    if record is None:
+        return "the whole parameter (not sharded)"
+    offset, numel, full = record
+    return f"elements [{offset}, {offset + numel}) of {full}"
+
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
     """Whether every element of ``tensors`` is finite (one max-norm per device: inf or NaN exactly when an element is;
     a 2-norm would overflow on finite values)."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for t in tensors:
+    for t in map(local_tensor, tensors):  # a sharded gradient: this rank's shard (no collective)
         if t.numel():
             by_device.setdefault(t.device, []).append(t)
     return all(

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .base import Communicator, OneBitOptimizer, Update, all_finite
+from .base import Communicator, OneBitOptimizer, Update, all_finite, local_tensor
 from .collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, CommStats, _check_method, onebit_all_reduce
 from .topology import Topology
 
@@ -63,11 +63,13 @@ class HookState(Communicator):
 
     optimizer_class: type = OneBitOptimizer
     hook_name = "the hook"
+    wrapped_name = "the DDP model"  # what every parameter with a gradient must belong to (error messages)
 
     __slots__ = (
         # settings
         "optimizer",
         "topology",
+        "agree_group",
         "check_finite",
         # per-step buffers
         "_pending",
@@ -80,7 +82,9 @@ class HookState(Communicator):
         "skipped_steps",
     )
 
-    def __init__(self, optimizer, topology: Topology | None = None, *, check_finite: bool = True):
+    def __init__(
+        self, optimizer, topology: Topology | None = None, *, check_finite: bool = True, agree_group=None
+    ):
         name = type(self).__name__
         if not isinstance(optimizer, self.optimizer_class):
             raise TypeError(
@@ -96,6 +100,9 @@ class HookState(Communicator):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(f"{self.hook_name} needs torch.distributed to be initialized (init_process_group).")
         self.topology = topology if topology is not None else Topology.flat()
+        # the ranks that agree a step is finite: the topology's (DDP), or every rank of the mesh (FSDP, whose
+        # topology spans only this rank's replicas)
+        self.agree_group = self.topology.world_group if agree_group is None else agree_group
         self.check_finite = bool(check_finite)
         self._pending: dict[torch.Tensor, Staged] = {}
         self._flags: list[torch.Tensor] = []
@@ -134,8 +141,12 @@ class HookState(Communicator):
                 )
             items.append((p, g, group))
         if self.check_finite:
-            self._flags.append(_nonfinite_flag(buffer))
+            self._flag_nonfinite(buffer)
         return items
+
+    def _flag_nonfinite(self, t: torch.Tensor) -> None:
+        """Record (on ``t``'s device, no host sync) whether ``t`` holds a non-finite value; agreed at ``step()``."""
+        self._flags.append(_nonfinite_flag(t))
 
     def _stage(self, p: torch.Tensor, group: dict, record) -> None:
         self._pending[p] = Staged(group, record)
@@ -151,7 +162,7 @@ class HookState(Communicator):
         if self.check_finite and pending:
             dev = next(iter(pending)).device
             bad = torch.stack(flags).any().to(torch.float32).reshape(1) if flags else torch.zeros(1, device=dev)
-            if agree(bad, self.topology.world_group).item() != 0.0:
+            if agree(bad, self.agree_group).item() != 0.0:
                 self.skipped_steps += 1
                 warnings.warn(
                     f"{type(self.optimizer).__name__}: a rank had a non-finite gradient; every rank skipped the step.",
@@ -166,8 +177,8 @@ class HookState(Communicator):
             p = unseen[0]
             raise RuntimeError(
                 f"A parameter of shape {tuple(p.shape)} has a gradient but {self.hook_name} did not see it: every "
-                f"parameter {type(self.optimizer).__name__} optimizes must belong to the DDP model the hook is "
-                "registered on."
+                f"parameter {type(self.optimizer).__name__} optimizes must belong to {self.wrapped_name} the hook "
+                "is registered on."
             )
         if pending:
             self.steps_communicated += 1
@@ -189,6 +200,10 @@ class StepAllReduce(Communicator):
         method (`str`, *optional*, defaults to `"hierarchical"`): the ``onebit_all_reduce`` method.
         inter_method (`str`, *optional*, defaults to `"allgather"`): hierarchical only.
         chunk_numel (`int`, *optional*): bound on the elements per collective.
+        agree_group (`ProcessGroup`, *optional*): the ranks that agree on skipped steps and used parameters (default:
+            the topology's); sharded parameters need every rank of the mesh (``birder_hf.fsdp`` passes it).
+
+    Sharded parameters (FSDP2's ``DTensor``) are encoded, all-reduced and updated on their local shards.
     """
 
     def __init__(
@@ -199,6 +214,7 @@ class StepAllReduce(Communicator):
         method: str | None = None,
         inter_method: str = DEFAULT_INTER_METHOD,
         chunk_numel: int | None = None,
+        agree_group=None,
     ):
         method = DEFAULT_METHOD if method is None else method
         _check_method(method, inter_method)
@@ -207,6 +223,7 @@ class StepAllReduce(Communicator):
         elif not isinstance(topology, Topology):
             raise TypeError(f"topology must be a birder_hf.Topology, got {type(topology).__name__}.")
         self.topology, self.method, self.inter_method, self.chunk_numel = topology, method, inter_method, chunk_numel
+        self.agree_group = topology.world_group if agree_group is None else agree_group
         self.stats = CommStats()
 
     def finish_step(self) -> list[Update] | None:
@@ -218,7 +235,7 @@ class StepAllReduce(Communicator):
         flags[0] = 0.0 if all_finite(list(grads.values())) else 1.0
         flags[1:] = torch.tensor([p in grads for p in params], dtype=torch.float32)
         dev = params[0].device if params else torch.device("cpu")
-        flags = agree(flags.to(dev), self.topology.world_group).cpu()
+        flags = agree(flags.to(dev), self.agree_group).cpu()
         if flags[0] != 0:
             warnings.warn(
                 "Birder: a rank had a non-finite gradient; every rank skipped this step.", RuntimeWarning, stacklevel=4
@@ -230,7 +247,7 @@ class StepAllReduce(Communicator):
             ps = [p for p in group["params"] if p in used]
             if not ps:
                 continue
-            gs = [grads[p] if p in grads else torch.zeros_like(p) for p in ps]
+            gs = [grads[p] if p in grads else torch.zeros_like(local_tensor(p)) for p in ps]
             batch.append((group, ps))
             us += opt.encode(group, ps, gs)
         if not batch:
@@ -252,7 +269,8 @@ class StepAllReduce(Communicator):
         for group, ps in batch:
             ds = []
             for p in ps:
-                ds.append(d[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+                x = local_tensor(p)
+                ds.append(d[offset : offset + x.numel()].view_as(x))
+                offset += x.numel()
             updates.append(Update(group, ps, ds))
         return updates

@@ -60,6 +60,8 @@ class BirderHookState(HookState):
         chunk_numel (`int`, *optional*): bound on the elements per collective (receive buffers).
         check_finite (`bool`, *optional*, defaults to `True`): skip a step on every rank when any rank
             has a non-finite gradient (costs one tiny all-reduce and a host sync per step).
+        agree_group (`ProcessGroup`, *optional*): the ranks that agree a step is finite; defaults to the
+            topology's (``birder_hf.fsdp`` passes every rank of the mesh).
     """
 
     optimizer_class = Birder
@@ -76,13 +78,14 @@ class BirderHookState(HookState):
         inter_method: str = DEFAULT_INTER_METHOD,
         chunk_numel: int | None = None,
         check_finite: bool = True,
+        agree_group=None,
     ):
         _check_method(method, inter_method)
         if isinstance(optimizer, Birder) and not all(g["quantize"] for g in optimizer.param_groups):
-            raise ValueError("quantize=False is for one process only; the DDP hook always sends 1 bit.")
+            raise ValueError("quantize=False is for one process only; the 1-bit hook always sends 1 bit.")
         self.method, self.inter_method, self.chunk_numel = method, inter_method, chunk_numel
         self._scratch: dict[torch.Tensor, StateBuffers] = {}  # param -> the buffers its next step writes into
-        super().__init__(optimizer, topology, check_finite=check_finite)
+        super().__init__(optimizer, topology, check_finite=check_finite, agree_group=agree_group)
 
     @property
     def description(self) -> str:

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from .base import OneBitOptimizer, Update, all_finite, state_dtype
+from .base import OneBitOptimizer, Update, all_finite, local_tensor, shard_offset, shard_record, state_dtype
 from .quantize import STAGE_WORKER, BitKeys, quantize_bits
 
 __all__ = ["Birder", "birder", "birder_encode", "birder_apply", "EncodeOut", "StateBuffers"]
@@ -166,13 +166,20 @@ class Birder(OneBitOptimizer):
 
     # --------------------------------------------------------------------- protocol for communicators
     def init_state(self, p: torch.Tensor, group: dict) -> dict:
-        """The state of ``p`` (created on first use: zero ``m``, ``b`` at least float32, ``step`` 0)."""
+        """The state of ``p`` (created on first use: zero ``m``, ``b`` at least float32, ``step`` 0).
+
+        A sharded parameter (FSDP2's ``DTensor``) gets plain tensors of its local shard's shape, and ``"shard"``:
+        ``(offset, local numel, full numel)``, which a resume checks (``birder_hf.base.shard_record``).
+        """
         state = self.state[p]
         if len(state) == 0:
-            dtype = state_dtype(p)
+            dtype, x = state_dtype(p), local_tensor(p)
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-            state["exp_avg_abs"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            state["exp_avg"] = torch.zeros_like(x, dtype=dtype, memory_format=torch.preserve_format)
+            state["exp_avg_abs"] = torch.zeros_like(x, dtype=dtype, memory_format=torch.preserve_format)
+            record = shard_record(p)
+            if record is not None:
+                state["shard"] = record
         if group["amsgrad"] and "max_exp_avg_abs" not in state:
             state["max_exp_avg_abs"] = state["exp_avg_abs"].clone()
         return state
@@ -184,13 +191,14 @@ class Birder(OneBitOptimizer):
 
         Without ``out``: count a step and update their ``m`` and ``b`` in place. With ``out``: leave the state alone
         and write the new ``m``, ``b`` (and ``u``) into ``out`` (staged: :meth:`commit_state` makes them the state).
+        Sharded parameters and gradients (``DTensor``) are encoded on their local shards.
         """
         states = [self.init_state(p, group) for p in params]
         if out is None:
             for s in states:
                 s["step"] += 1
         return birder_encode(
-            grads,
+            [local_tensor(g) for g in grads],
             [s["exp_avg"] for s in states],
             [s["exp_avg_abs"] for s in states],
             [s["max_exp_avg_abs"] for s in states] if group["amsgrad"] else None,
@@ -215,8 +223,20 @@ class Birder(OneBitOptimizer):
         return old
 
     def bit_keys(self, params: list[torch.Tensor], steps: list[int]) -> BitKeys:
-        """The keys of the random bits of ``params`` (flattened one after the other) at ``steps``."""
-        return BitKeys(self.seed, steps, [self.param_index(p) for p in params], [p.numel() for p in params])
+        """The keys of the random bits of ``params`` (flattened one after the other) at ``steps``.
+
+        A sharded parameter contributes its local shard, its counters starting at the shard's offset in the full
+        parameter (``birder_hf.base.shard_offset``): element ``j`` of a parameter draws from counter ``j`` whichever
+        rank holds it, so the bits depend on the shard layout only through who draws them.
+        """
+        locals_ = [local_tensor(p) for p in params]
+        return BitKeys(
+            self.seed,
+            steps,
+            [self.param_index(p) for p in params],
+            [x.numel() for x in locals_],
+            [shard_offset(p) for p in params],
+        )
 
     # ------------------------------------------------------------------------------------------- step
     def _step_alone(self) -> None:
@@ -225,7 +245,12 @@ class Birder(OneBitOptimizer):
     def _step_communicated(self, updates: list[Update] | None) -> None:
         # None: a rank had a non-finite gradient, and every rank skips the step
         for group, params, directions in updates or ():
-            birder_apply(params, directions, lr=group["lr"], weight_decay=group["weight_decay"])
+            birder_apply(
+                [local_tensor(p) for p in params],
+                [local_tensor(d) for d in directions],
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+            )
 
     def _local_updates(self) -> list[Update] | None:
         # one process: encode, then quantize locally (rank 0's keys)
@@ -240,14 +265,14 @@ class Birder(OneBitOptimizer):
             us = self.encode(group, params, grads)
             if group["quantize"]:
                 keys = self.bit_keys(params, [int(self.state[p]["step"]) for p in params])
-                us = [_signs(u, keys.key(i, STAGE_WORKER, 0)) for i, u in enumerate(us)]
+                us = [_signs(u, keys.key(i, STAGE_WORKER, 0), keys.offsets[i]) for i, u in enumerate(us)]
             updates.append(Update(group, params, us))
         return updates
 
 
-def _signs(u: torch.Tensor, key: tuple[int, int]) -> torch.Tensor:
-    # Q(u): +1 with probability (1 + u) / 2, else -1, in u's dtype and shape
-    return torch.where(quantize_bits(u, key).view_as(u), 1.0, -1.0).to(u.dtype)
+def _signs(u: torch.Tensor, key: tuple[int, int], offset: int = 0) -> torch.Tensor:
+    # Q(u): +1 with probability (1 + u) / 2, else -1, in u's dtype and shape (offset: the counter of u's first element)
+    return torch.where(quantize_bits(u, key, offset).view_as(u), 1.0, -1.0).to(u.dtype)
 
 
 class StateBuffers(NamedTuple):
