@@ -6,6 +6,7 @@ replicate group. Sharding must not change a bit of that: the hook and the step()
 parameters exactly.
 """
 
+import os
 import warnings
 
 import pytest
@@ -168,7 +169,7 @@ def test_only_packed_bits_and_flags_cross_the_nodes():
         shard_numels = [sum(p.to_local().numel() for p in model[i].parameters()) for i in reversed(LAYERS)]
         return crossing, shard_numels, hook.stats.as_dict()
 
-    for rank, (crossing, shard_numels, stats) in enumerate(run_distributed(fn, 4)):
+    for crossing, shard_numels, stats in run_distributed(fn, 4):
         bits = [c for c in crossing if c[0] == "onebit_all_gather"]
         flags = [c for c in crossing if c[0] != "onebit_all_gather"]
         # per step and FSDP unit: one all-gather of the packed bits of this rank's shard (1 bit per element; none
@@ -234,7 +235,8 @@ def test_bf16_parameters_keep_fp32_state():
     def fn(rank, world):
         mesh = _mesh()
         model, opt, _, losses = _train_hsdp(rank, mesh, 8, "hierarchical", dtype=torch.bfloat16)
-        dtypes = {(p.dtype, opt.state[p]["exp_avg"].dtype, opt.state[p]["exp_avg_abs"].dtype) for p in model.parameters()}
+        states = [opt.state[p] for p in model.parameters()]
+        dtypes = {(p.dtype, s["exp_avg"].dtype, s["exp_avg_abs"].dtype) for p, s in zip(model.parameters(), states)}
         return _full(model), dtypes, losses
 
     res = run_distributed(fn, 4)
@@ -360,3 +362,30 @@ def test_fsdp1_is_refused():
 def test_register_needs_an_initialized_process_group():
     with pytest.raises(RuntimeError, match="init_process_group"):
         register_birder_fsdp(_model(), _optimizer(_model().parameters()), None)
+
+
+def test_accelerate_loop_with_a_model_sharded_on_the_node(tmp_path):
+    ckpt = str(tmp_path / "state")
+
+    def fn(rank, world):
+        from accelerate import Accelerator
+
+        from birder_hf.integrations.accelerate import register_birder_hook
+
+        accelerator = Accelerator(cpu=True)
+        mesh = _mesh()
+        model = _sharded(mesh["shard"])
+        opt = accelerator.prepare(_optimizer(model.parameters()))  # accelerate would refuse to DDP-wrap the model
+        state = register_birder_hook(accelerator, model, opt, mesh=mesh)
+        for t in range(3):
+            accelerator.backward(_loss(model, rank, t))
+            opt.step()
+            opt.zero_grad()
+        accelerator.save_state(ckpt)
+        return type(state).__name__, _full(model), _train_reference(rank, mesh, 3, "hierarchical")
+
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}  # read by accelerate; the group already exists
+    res = run_distributed(fn, 4, local_world_size=2, env=env)  # with the launcher's environment
+    for kind, full, ref in res:
+        assert kind == "FSDPHookState" and _equal(full, ref)
+    assert sorted(os.listdir(os.path.join(ckpt, "birder"))) == [f"rank_0000{r}-of-00004.pt" for r in range(4)]

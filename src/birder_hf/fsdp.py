@@ -61,7 +61,43 @@ from .onebit_adam import OneBitAdam
 from .optim import Birder, EncodeOut
 from .topology import Topology
 
-__all__ = ["register_birder_fsdp", "FSDPHookState", "fsdp_units"]
+__all__ = ["register_birder_fsdp", "FSDPHookState", "fsdp_units", "hsdp_mesh", "shard_model"]
+
+
+def hsdp_mesh(num_nodes: int, device_type: str = "cuda"):
+    """The 2-D ``(replicate, shard)`` DeviceMesh of ``num_nodes`` nodes over every rank (node-major ranks, as
+    torchrun numbers them). Collective."""
+    world = dist.get_world_size()
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1 or world % num_nodes:
+        raise ValueError(f"num_nodes={num_nodes!r} must be an int >= 1 that divides the world size {world}.")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (num_nodes, world // num_nodes), mesh_dim_names=("replicate", "shard"))
+
+
+def shard_model(model: torch.nn.Module, mesh, *, block_classes=None, **fully_shard_kwargs) -> torch.nn.Module:
+    """Apply ``fully_shard`` on ``mesh`` to every block of ``model``, then to ``model`` itself (in place).
+
+    Blocks are the modules whose class name is in ``block_classes`` (default: a Hugging Face model's
+    ``_no_split_modules``, its transformer layers). For Birder pass ``mesh["shard"]`` (FSDP inside the node); the 2-D
+    mesh itself gives native HSDP (full-precision all-reduce across the nodes: the uncompressed baseline).
+    ``fully_shard_kwargs`` (``mp_policy``, ``reshard_after_forward``, ...) go to every call. Returns ``model``.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    names = set(block_classes if block_classes is not None else getattr(model, "_no_split_modules", None) or ())
+    if not names:
+        raise ValueError(
+            f"shard_model: name the block classes of {type(model).__name__} to shard one by one "
+            "(block_classes=[...]); it has no _no_split_modules."
+        )
+    blocks = [m for m in model.modules() if type(m).__name__ in names and m is not model]
+    if not blocks:
+        raise ValueError(f"shard_model: {type(model).__name__} has no module of the classes {sorted(names)}.")
+    for block in blocks:
+        fully_shard(block, mesh=mesh, **fully_shard_kwargs)
+    fully_shard(model, mesh=mesh, **fully_shard_kwargs)
+    return model
 
 
 class FSDPUnit(NamedTuple):
@@ -144,6 +180,10 @@ class FSDPHookState(BirderHookState):
         k = self.topology.num_nodes
         return f"1-bit {self.method} FSDP hook across {k} node{'s' if k != 1 else ''}"
 
+    def buffer_bytes(self) -> int:
+        """Bytes of the buffers kept between steps: staged ``m``, ``b`` and each unit's ``u`` (this rank's shard)."""
+        return super().buffer_bytes() + sum(u.nbytes for u in self._u.values())
+
     def _unit_buffer(self, index: int, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
         buf = self._u.get(index)
         if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != device:
@@ -193,7 +233,9 @@ class FSDPHookState(BirderHookState):
         for group, ps, gs, us in by_group.values():
             bufs = [self._buffers(p, opt.state[p], group["amsgrad"]) for p in ps]
             maxes = [b.max_exp_avg_abs for b in bufs] if group["amsgrad"] else None
-            opt.encode(group, ps, gs, out=EncodeOut([b.exp_avg for b in bufs], [b.exp_avg_abs for b in bufs], maxes, us))
+            opt.encode(
+                group, ps, gs, out=EncodeOut([b.exp_avg for b in bufs], [b.exp_avg_abs for b in bufs], maxes, us)
+            )
             for p, b in zip(ps, bufs):
                 self._stage(p, group, b)
         if self.check_finite:
@@ -287,8 +329,8 @@ def _check_model(model, optimizer: Birder, grid: list[list[int]]) -> None:
                 f"{where} lives on a {mesh.ndim}-D mesh with placements {p.placements}: native 2-D HSDP "
                 "(fully_shard(..., mesh=mesh)) all-reduces gradients across the replicate dimension in full "
                 "precision before Birder sees them, and tensor parallel is not supported. Shard on the node only: "
-                "fully_shard(module, mesh=mesh['shard']) for every unit (accelerate / Trainer: "
-                "birder_hf.integrations.accelerate.BirderParallelismConfig)."
+                "fully_shard(module, mesh=mesh['shard']) for every unit (birder_hf.fsdp.shard_model(model, "
+                "mesh['shard'])); with the HF Trainer use BirderArguments(sharding='hsdp'), which does it."
             )
         ranks = mesh.mesh.tolist()
         if ranks != row:
@@ -370,9 +412,10 @@ def register_birder_fsdp(
         )
     if len(grid) == 1:
         warnings.warn(
-            "register_birder_fsdp: the mesh has no replicate dimension, so FSDP's full-precision reduce-scatter already "
-            "spans every rank and nothing is left to send in 1 bit; Birder trains as one worker on the averaged "
-            "gradient (d = Q(u)). For 1 bit across nodes, shard on a 2-D (replicate, shard) mesh's 'shard' dimension.",
+            "register_birder_fsdp: the mesh has no replicate dimension, so FSDP's full-precision reduce-scatter "
+            "already spans every rank and nothing is left to send in 1 bit; Birder trains as one worker on the "
+            "averaged gradient (d = Q(u)). For 1 bit across nodes, shard on the 'shard' dimension of a 2-D "
+            "(replicate, shard) mesh.",
             UserWarning,
             stacklevel=2,
         )

@@ -91,6 +91,10 @@ class BirderHookState(HookState):
     def description(self) -> str:
         return f"1-bit {self.method} hook"
 
+    def buffer_bytes(self) -> int:
+        """Bytes of the buffers kept between steps: the staged ``m``, ``b`` (and max ``b``) of every parameter."""
+        return sum(t.nbytes for bufs in self._scratch.values() for t in bufs if t is not None)
+
     def _buffers(self, p: torch.Tensor, state: dict, amsgrad: bool) -> StateBuffers:
         bufs = self._scratch.get(p)
         if bufs is None or bufs.exp_avg.shape != state["exp_avg"].shape:
