@@ -15,7 +15,7 @@ name (recorded with each file's SHA-256 in ``data_manifest.json``) and validatio
     # baselines: --optimizer adamw (HSDP: native HSDP, full precision across nodes; DDP: fp32 all-reduce),
     # --optimizer onebitadam (DDP only)
     # GPUs, 4 nodes x 8, GPT-2 (124M) from the Hub with 1-bit HSDP:
-    accelerate launch --config_file accelerate_configs/multi_node_4x8_hsdp.yaml --machine_rank $NODE_RANK \\
+    accelerate launch --config_file accelerate_configs/multi_node_4x8.yaml --machine_rank $NODE_RANK \\
         --main_process_ip $MASTER recipes/causal_lm.py --model_name_or_path gpt2 --sharding hsdp --bf16 \\
         --block_size 1024 --per_device_train_batch_size 8 --max_steps 20000 --output_dir outputs/gpt2_hsdp
 
@@ -62,7 +62,7 @@ MODEL_CONFIGS = {
 
 RECIPE_DEFAULTS = {
     "output_dir": "outputs/causal_lm",
-    "max_steps": 300,
+    "max_steps": 150,
     "learning_rate": 2e-3,
     "weight_decay": 0.01,
     "per_device_train_batch_size": 8,

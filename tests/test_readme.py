@@ -13,10 +13,10 @@ SNIPPETS = re.findall(r"```python\n# run: (.+?)\n(.*?)```", README, flags=re.S)
 
 
 def test_readme_has_the_snippets():
-    assert len(SNIPPETS) == 5  # DDP, Trainer, accelerate, timm, Lightning
+    assert len(SNIPPETS) == 6  # DDP, Trainer, accelerate, timm, Lightning, FSDP
 
 
-IDS = ["ddp", "trainer", "accelerate", "timm", "lightning"]
+IDS = ["ddp", "trainer", "accelerate", "timm", "lightning", "fsdp"]
 
 
 @pytest.mark.parametrize("command, code", SNIPPETS, ids=IDS[: len(SNIPPETS)])
@@ -32,4 +32,4 @@ def test_snippet_runs(command, code, tmp_path):
     res = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     if "torch.distributed.run" in argv or "BirderDDPStrategy" in code:  # the multi-process snippets report savings
-        assert "fewer bytes than fp32 all-reduce" in res.stdout
+        assert "fewer bytes than fp32 all-reduce" in res.stdout and "rank 1:" in res.stdout

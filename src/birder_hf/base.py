@@ -212,7 +212,8 @@ class OneBitOptimizer(Optimizer):
                 f"{name} is running in a distributed job without its communication hook, so DDP averages gradients "
                 "in full precision (32 bits per value) and each rank encodes on its own. Register the 1-bit hook: "
                 "birder_hf.hook.attach_ddp_hook(model, optimizer), birder_hf.integrations.accelerate."
-                "register_birder_hook, or BirderTrainer for the HF Trainer.",
+                "register_birder_hook, or BirderTrainer for the HF Trainer (FSDP2-sharded models: "
+                "birder_hf.fsdp.register_birder_fsdp).",
                 UserWarning,
                 stacklevel=4,
             )

@@ -82,9 +82,7 @@ class HookState(Communicator):
         "skipped_steps",
     )
 
-    def __init__(
-        self, optimizer, topology: Topology | None = None, *, check_finite: bool = True, agree_group=None
-    ):
+    def __init__(self, optimizer, topology: Topology | None = None, *, check_finite: bool = True, agree_group=None):
         name = type(self).__name__
         if not isinstance(optimizer, self.optimizer_class):
             raise TypeError(

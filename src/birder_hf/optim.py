@@ -59,7 +59,9 @@ class Birder(OneBitOptimizer):
       encodes and runs the 1-bit all-reduce during backward, DDP writes :math:`d` into ``.grad``, and
       ``step()`` only applies the last line;
     - the optimizer-side all-reduce, with ``process_group=`` or ``topology=`` (loops without DDP, sharded
-      parameters): ``step()`` encodes, all-reduces and applies.
+      parameters): ``step()`` encodes, all-reduces and applies;
+    - for FSDP2-sharded models, :func:`birder_hf.fsdp.register_birder_fsdp` (1-bit HSDP: FSDP inside a node, 1 bit
+      across nodes). Sharded parameters (``DTensor``) keep ``m``, ``b`` for their local shard only.
 
     State: per parameter ``"step"`` (a CPU float32 scalar, as in ``torch.optim``), ``"exp_avg"``
     (:math:`m`), ``"exp_avg_abs"`` (:math:`b`) and, with ``amsgrad``, ``"max_exp_avg_abs"``. ``m`` and
