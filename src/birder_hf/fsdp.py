@@ -198,7 +198,9 @@ class FSDPHookState(BirderHookState):
             raise RuntimeError(
                 f"birder_fsdp_hook: {type(unit.module).__name__}'s reduce-scatter output has {reduce_output.numel()} "
                 f"elements, its parameters that require grad take {expected}. Did requires_grad change after "
-                "register_birder_fsdp, or set_reduce_scatter_unused_params(False) get called?"
+                "register_birder_fsdp, did a parameter get no gradient (a torch without "
+                "set_reduce_scatter_unused_params leaves it out), or was set_reduce_scatter_unused_params(False) "
+                "called?"
             )
         params, grads, offset = [], [], 0
         for p, taken in layout:
@@ -401,6 +403,13 @@ def register_birder_fsdp(
         )
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("register_birder_fsdp needs torch.distributed to be initialized (init_process_group).")
+    from torch.distributed import fsdp as torch_fsdp
+
+    if in_backward and not hasattr(getattr(torch_fsdp, "FSDPModule", None), "set_all_reduce_hook"):
+        raise RuntimeError(
+            f"torch {torch.__version__} has no FSDPModule.set_all_reduce_hook (torch >= 2.7 has); upgrade torch, or "
+            "pass in_backward=False to run the 1-bit all-reduce in optimizer.step()."
+        )
     inner = _refuse_wrappers(model)
     grid = _shard_grid(mesh)
     _check_model(inner, opt, grid)
@@ -439,8 +448,10 @@ def register_birder_fsdp(
     )
     try:
         for index, unit in enumerate(units):
-            # include the zero gradients of unused parameters, so every unit's output has its full layout
-            unit.module.set_reduce_scatter_unused_params(True, recurse=False)
+            # include the zero gradients of unused parameters, so every unit's output has its full layout (older
+            # torch has no such switch: a unit with an unused parameter then fails with a clear error in backward)
+            if hasattr(unit.module, "set_reduce_scatter_unused_params"):
+                unit.module.set_reduce_scatter_unused_params(True, recurse=False)
             unit.module.set_all_reduce_hook(_UnitHook(state, index, unit))
     except BaseException:
         state.detach()
