@@ -59,7 +59,7 @@ def recipe_args(method: str, seed: int, cfg: argparse.Namespace) -> list[str]:
         "--logging_steps",
         str(cfg.logging_steps),
         "--learning_rate",
-        str(cfg.lr),
+        str(cfg.birder_lr if method.endswith("birder") else cfg.adamw_lr),
         "--max_eval_blocks",
         str(cfg.max_eval_blocks),
         *cfg.extra,
@@ -180,12 +180,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--eval_steps", type=int, default=30)
     p.add_argument("--logging_steps", type=int, default=10)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--birder_lr", type=float, default=2e-3, help="Birder's learning rate (both layouts).")
+    p.add_argument("--adamw_lr", type=float, default=2e-3, help="AdamW's learning rate.")
     p.add_argument("--max_eval_blocks", type=int, default=256)
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="More recipe arguments (last).")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--work_dir", type=Path, default=ROOT / "outputs" / "hsdp_convergence")
     p.add_argument("--results_dir", type=Path, default=ROOT / "docs" / "results")
+    p.add_argument("--results_name", default="hsdp_convergence", help="Stem of the .json/.md/.png results.")
     p.add_argument("--plot_only", action="store_true")
     return p.parse_args(argv)
 
@@ -201,8 +203,7 @@ def main(argv=None) -> dict:
                 print(f"{method} seed {seed}: done ({time.time() - started:.0f} s so far)", flush=True)
             if (out / "all_results.json").exists():
                 records.append(load_run(method, seed, out))
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(cfg).items() if k not in ("plot_only",)}
-    settings.pop("work_dir"), settings.pop("results_dir")
+    settings = {k: v for k, v in vars(cfg).items() if k not in ("plot_only", "work_dir", "results_dir", "timeout")}
     result = {
         "settings": settings,
         "recipe_args": {m: recipe_args(m, "<seed>", cfg) for m in cfg.methods},
@@ -212,9 +213,10 @@ def main(argv=None) -> dict:
     }
     if cfg.results_dir is not None and records:
         cfg.results_dir.mkdir(parents=True, exist_ok=True)
-        (cfg.results_dir / "hsdp_convergence.json").write_text(json.dumps(result, indent=1) + "\n")
-        (cfg.results_dir / "hsdp_convergence.md").write_text(table_markdown(result["summary"], settings))
-        plot(records, cfg.results_dir / "hsdp_convergence.png")
+        stem = cfg.results_dir / cfg.results_name
+        stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+        stem.with_suffix(".md").write_text(table_markdown(result["summary"], settings))
+        plot(records, stem.with_suffix(".png"))
         print(table_markdown(result["summary"], settings))
     return result
 

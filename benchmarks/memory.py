@@ -96,8 +96,8 @@ def table(rows: list[dict], unit: str) -> str:
 def build(recipe_config: dict, recipe_layout: tuple[int, int], big_layout: tuple[int, int]) -> dict:
     rows = []
     models = [("recipe (tiny GPT-2)", gpt2_shapes(**recipe_config), recipe_layout)]
-    # 1B / 7B: N parameters as one list of 4096-wide rows (the ceil of a few rows is negligible at this size)
-    models += [(name, [(numel // 4096, 4096)], big_layout) for name, numel in (("1B", 10**9), ("7B", 7 * 10**9))]
+    # 1B / 7B: N parameters as rows of 1000 (a multiple of 8 rows: every rank's shard is exactly N/L)
+    models += [(name, [(numel // 1000, 1000)], big_layout) for name, numel in (("1B", 10**9), ("7B", 7 * 10**9))]
     for name, shapes, (k, lws) in models:
         numel = shard_numel(shapes, 1)
         for method in METHODS:
