@@ -190,7 +190,8 @@ def test_causal_lm_recipe_1bit_hsdp_trains_saves_and_resumes_exactly(tmp_path):
     data = ["--cache_dir", str(tmp_path / "data")]
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
     ckpt = ["--save_strategy", "steps", "--save_steps", "3", "--max_steps", "6"]
-    hsdp = ["--sharding", "hsdp", "--num_nodes", "2"]
+    # 2 micro-batches per step: FSDP reduce-scatters (and the hook runs) once per step
+    hsdp = ["--sharding", "hsdp", "--num_nodes", "2", "--gradient_accumulation_steps", "2"]
     log = _torchrun(4, "recipes/causal_lm.py", *LM_TINY, *hsdp, *ckpt, *data, "--output_dir", straight)
     results = json.load(open(os.path.join(straight, "all_results.json")))
     assert results["world_size"] == 4 and results["sharding"] == "hsdp" and results["optimizer"] == "birder"
@@ -219,6 +220,7 @@ def test_causal_lm_recipe_native_hsdp_baseline_and_bad_arguments(tmp_path):
     out = str(tmp_path / "adamw")
     data = ["--cache_dir", str(tmp_path / "data")]
     hsdp = ["--sharding", "hsdp", "--num_nodes", "2", "--optimizer", "adamw", "--max_steps", "2"]
+    hsdp += ["--gradient_accumulation_steps", "2"]
     _torchrun(4, "recipes/causal_lm.py", *LM_TINY, *hsdp, *data, "--output_dir", out)
     results = json.load(open(os.path.join(out, "all_results.json")))
     assert results["optimizer"] == "adamw" and "comm/compression_ratio" not in results

@@ -227,6 +227,11 @@ class ShardedTrainerMixin:
                 "sharding='hsdp' creates the optimizer after sharding the model; pass optimizer_cls_and_kwargs= "
                 "instead of an optimizer instance (optimizers=)."
             )
+        if self.args.fsdp or self.args.deepspeed:
+            raise ValueError(
+                "sharding='hsdp' shards the model itself; drop --fsdp/--deepspeed (accelerate's FSDP plugin would "
+                "shard it again, and DeepSpeed reduces gradients its own way)."
+            )
         mesh = hsdp_mesh(num_nodes if num_nodes is not None else _launcher_nodes(), self.args.device.type)
         shard_model(self.model, mesh if across_nodes else mesh["shard"])
         self.birder_mesh = mesh
@@ -256,6 +261,8 @@ class ShardedTrainerMixin:
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.args.should_save:
             self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=full)
+        if self.args.push_to_hub and not _internal_call:  # as Trainer.save_model does
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         if self.birder_mesh is None:
