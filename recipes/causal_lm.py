@@ -60,10 +60,13 @@ MODEL_CONFIGS = {
     "gpt2": dict(n_embd=768, n_layer=12, n_head=12),  # GPT-2 small's shape (124M with its 50257 tokens)
 }
 
+# Without --learning_rate: Birder 5e-4, the best of 2e-3 / 5e-4 / 2e-4 on this task (at 2e-3 it stalls at the unigram
+# level: docs/results/hsdp_lr_check_birder_*.json); AdamW and 1-bit Adam (its Adam warm-up) 2e-3.
+DEFAULT_LR = {"birder": 5e-4, "adamw": 2e-3, "onebitadam": 2e-3}
+
 RECIPE_DEFAULTS = {
     "output_dir": "outputs/causal_lm",
     "max_steps": 150,
-    "learning_rate": 2e-3,
     "weight_decay": 0.01,
     "per_device_train_batch_size": 8,
     "per_device_eval_batch_size": 32,
@@ -125,7 +128,10 @@ def parse_args(argv=None):
         loader = parser.parse_json_file if argv[0].endswith(".json") else parser.parse_yaml_file
         return loader(os.path.abspath(argv[0]))
     parser.set_defaults(**RECIPE_DEFAULTS, **({} if torch.cuda.is_available() else {"use_cpu": True}))
-    return parser.parse_args_into_dataclasses(args=argv)
+    model_args, data_args, opt_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    if not any(a == "--learning_rate" or a.startswith("--learning_rate=") for a in argv):
+        training_args.learning_rate = DEFAULT_LR[opt_args.optimizer]
+    return model_args, data_args, opt_args, training_args
 
 
 def build_data(model_args, data_args, training_args):
