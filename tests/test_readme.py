@@ -32,4 +32,4 @@ def test_snippet_runs(command, code, tmp_path):
     res = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     if "torch.distributed.run" in argv or "BirderDDPStrategy" in code:  # the multi-process snippets report savings
-        assert "fewer bytes than fp32 all-reduce" in res.stdout and "rank 1:" in res.stdout
+        assert "fewer bytes than fp32 all-reduce" in res.stdout
