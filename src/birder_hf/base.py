@@ -45,7 +45,64 @@ __all__ = [
     "all_finite",
     "state_dtype",
     "unwrap_optimizer",
+    "is_sharded",
+    "local_tensor",
+    "shard_offset",
+    "shard_record",
 ]
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``DTensor`` (FSDP2's sharded parameters and gradients are)."""
+    return hasattr(t, "placements") and hasattr(t, "to_local")
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` this rank holds: a ``DTensor``'s local shard (a view: writing it writes ``t``), else ``t``."""
+    return t.to_local() if is_sharded(t) else t
+
+
+def shard_offset(p: torch.Tensor) -> int:
+    """The index, in ``p`` flattened, of the first element of this rank's shard (0 for a plain tensor).
+
+    Birder keys a parameter's random bits by that index (``quantize.BitKeys``), so an element draws the same bit
+    whichever rank holds it. Supported layouts: ``Replicate()`` and ``Shard(0)`` (FSDP2's default: rank ``i`` of the
+    ``n`` ranks of a mesh dimension holds rows ``[i c, (i + 1) c)`` with ``c = ceil(rows / n)``), one mesh dimension
+    sharding dim 0 at most; anything else raises ``ValueError``.
+    """
+    if not is_sharded(p):
+        return 0
+    shards = [(i, pl) for i, pl in enumerate(p.placements) if pl.is_shard()]
+    if not shards:
+        return 0
+    if len(shards) > 1 or shards[0][1].dim != 0:
+        raise ValueError(
+            f"Birder supports sharded parameters with one Shard(0) placement (FSDP2's default), got {p.placements} "
+            f"for a parameter of shape {tuple(p.shape)}; drop shard_placement_fn from fully_shard."
+        )
+    mesh_dim = shards[0][0]
+    n, i = p.device_mesh.size(mesh_dim), p.device_mesh.get_local_rank(mesh_dim)
+    rows = p.shape[0]
+    chunk = -(-rows // n)
+    start = min(i * chunk, rows)
+    local = p.to_local()
+    if local.shape[0] != min(chunk, rows - start) or tuple(local.shape[1:]) != tuple(p.shape[1:]):
+        raise ValueError(
+            f"A parameter of shape {tuple(p.shape)} has a local shard of shape {tuple(local.shape)} on rank {i} of "
+            f"{n}, not the rows torch.chunk gives (FSDP2's layout); Birder cannot key its random bits."
+        )
+    return start * (p.numel() // rows if rows else 0)
+
+
+def shard_record(p: torch.Tensor) -> tuple[int, int, int] | None:
+    """``(offset, local numel, full numel)`` of this rank's shard of ``p`` (``None`` for a plain tensor).
+
+    Kept in a sharded parameter's optimizer state (key ``"shard"``) so that a resume can check that each rank holds
+    the same shard its state was built on.
+    """
+    if not is_sharded(p):
+        return None
+    return (shard_offset(p), local_tensor(p).numel(), p.numel())
 
 
 def state_dtype(p: torch.Tensor) -> torch.dtype:
@@ -168,7 +225,8 @@ class OneBitOptimizer(Optimizer):
                 f"{name} is running in a distributed job without its communication hook, so DDP averages gradients "
                 "in full precision (32 bits per value) and each rank encodes on its own. Register the 1-bit hook: "
                 "birder_hf.hook.attach_ddp_hook(model, optimizer), birder_hf.integrations.accelerate."
-                "register_birder_hook, or BirderTrainer for the HF Trainer.",
+                "register_birder_hook, or BirderTrainer for the HF Trainer (FSDP2-sharded models: "
+                "birder_hf.fsdp.register_birder_fsdp).",
                 UserWarning,
                 stacklevel=4,
             )
@@ -256,8 +314,8 @@ class OneBitOptimizer(Optimizer):
             st = self.state.get(p)
             if not st:
                 continue
-            m = st.get("exp_avg")
-            if m is not None and (m.shape != p.shape or m.device != p.device):
+            m, x = st.get("exp_avg"), local_tensor(p)
+            if m is not None and (m.shape != x.shape or m.device != x.device):
                 raise RuntimeError(
                     f"A parameter of shape {tuple(p.shape)} on {p.device} has {type(self).__name__} state of shape "
                     f"{tuple(m.shape)} on {m.device}: the model changed after the optimizer state was made. Move or "
@@ -376,6 +434,9 @@ class OneBitOptimizer(Optimizer):
                     "birder_hf.checkpoint.load_rank_state)."
                 )
             self._check_settings(saved, where)
+        saved_ids = [i for g in saved_groups for i in g["params"]]
+        self._check_shards(state_dict, saved_ids, [p for g in self.param_groups for p in g["params"]])
+        for i, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
             settings = {**self.defaults, **saved}
             for j, (saved_id, p) in enumerate(zip(saved["params"], group["params"])):
                 state = states.get(saved_id)
@@ -389,12 +450,36 @@ class OneBitOptimizer(Optimizer):
                         "wrote for this model (per rank: birder_hf.checkpoint.load_rank_state)."
                     )
 
+    def _check_shards(self, state_dict: dict, saved_ids: list, params: list) -> None:
+        # a sharded parameter's m, b cover this rank's shard only: they load onto the same shard or not at all
+        for index, (saved_id, p) in enumerate(zip(saved_ids, params)):
+            saved = state_dict["state"].get(saved_id)
+            if not isinstance(saved, dict) or not torch.is_tensor(saved.get("exp_avg")):
+                continue
+            record = saved.get("shard")
+            record = None if record is None else tuple(int(v) for v in record)
+            if (is_sharded(p) or record is not None) and record != shard_record(p):
+                raise ValueError(
+                    f"{type(self).__name__}.load_state_dict: the state of parameter {index} (shape {tuple(p.shape)}) "
+                    f"was saved for {_describe_shard(record)} on this rank, but this rank now holds "
+                    f"{_describe_shard(shard_record(p))}. Sharded m and b belong to one shard of one node: resume on "
+                    "the same mesh shape (replicate x shard) with the same fully_shard wrapping and rank order. "
+                    "Nothing was loaded."
+                )
+
+
+def _describe_shard(record) -> str:
+    if record is None:
+        return "the whole parameter (not sharded)"
+    offset, numel, full = record
+    return f"elements [{offset}, {offset + numel}) of {full}"
+
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
     """Whether every element of ``tensors`` is finite (one max-norm per device: inf or NaN exactly when an element is;
     a 2-norm would overflow on finite values)."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for t in tensors:
+    for t in map(local_tensor, tensors):  # a sharded gradient: this rank's shard (no collective)
         if t.numel():
             by_device.setdefault(t.device, []).append(t)
     return all(

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .base import Communicator, OneBitOptimizer, Update, all_finite, state_dtype
+from .base import Communicator, OneBitOptimizer, Update, all_finite, local_tensor, state_dtype
 from .collectives import (
     DEFAULT_INTER_METHOD,
     DEFAULT_METHOD,
@@ -72,11 +72,13 @@ class HookState(Communicator):
     hook_name = "the hook"
     # skip a parameter no rank computed a gradient for, as a gradient of None does (see finish_step)
     skip_unused: bool = False
+    wrapped_name = "the DDP model"  # what every parameter with a gradient must belong to (error messages)
 
     __slots__ = (
         # settings
         "optimizer",
         "topology",
+        "agree_group",
         "check_finite",
         # per-step buffers
         "_pending",
@@ -92,7 +94,7 @@ class HookState(Communicator):
         "skipped_steps",
     )
 
-    def __init__(self, optimizer, topology: Topology | None = None, *, check_finite: bool = True):
+    def __init__(self, optimizer, topology: Topology | None = None, *, check_finite: bool = True, agree_group=None):
         name = type(self).__name__
         if not isinstance(optimizer, self.optimizer_class):
             raise TypeError(
@@ -108,6 +110,9 @@ class HookState(Communicator):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(f"{self.hook_name} needs torch.distributed to be initialized (init_process_group).")
         self.topology = topology if topology is not None else Topology.flat()
+        # the ranks that agree a step is finite: the topology's (DDP), or every rank of the mesh (FSDP, whose
+        # topology spans only this rank's replicas)
+        self.agree_group = self.topology.world_group if agree_group is None else agree_group
         self.check_finite = bool(check_finite)
         self._pending: dict[torch.Tensor, Staged] = {}
         self._flags: list[torch.Tensor] = []
@@ -204,12 +209,16 @@ class HookState(Communicator):
                 )
             items.append((p, g, group))
         if self.check_finite:
-            self._flags.append(_nonfinite_flag(buffer))
+            self._flag_nonfinite(buffer)
             if self.skip_unused:  # a parameter added since: watched from now on, counted as used this step
                 new = [p for p, _, _ in items if p not in self._watched]
                 self._watch(new)
                 self._used.update(new)
         return items
+
+    def _flag_nonfinite(self, t: torch.Tensor) -> None:
+        """Record (on ``t``'s device, no host sync) whether ``t`` holds a non-finite value; agreed at ``step()``."""
+        self._flags.append(_nonfinite_flag(t))
 
     def _stage(self, p: torch.Tensor, group: dict, record) -> None:
         self._pending[p] = Staged(group, record)
@@ -230,7 +239,7 @@ class HookState(Communicator):
             # with skip_unused: [non-finite, then: used on this rank, per parameter in the optimizer's order]
             order = sorted(pending, key=self.optimizer.param_index) if self.skip_unused else []
             mine = torch.tensor([p in used or p not in self._watched for p in order], dtype=torch.float32)
-            agreed = agree(torch.cat([bad, mine.to(dev)]), self.topology.world_group).tolist()
+            agreed = agree(torch.cat([bad, mine.to(dev)]), self.agree_group).tolist()
             unused = [p for p, flag in zip(order, agreed[1:]) if flag == 0.0]
             if agreed[0] != 0.0:
                 self.skipped_steps += 1
@@ -247,8 +256,8 @@ class HookState(Communicator):
             p = unseen[0]
             raise RuntimeError(
                 f"A parameter of shape {tuple(p.shape)} has a gradient but {self.hook_name} did not see it: every "
-                f"parameter {type(self.optimizer).__name__} optimizes must belong to the DDP model the hook is "
-                "registered on."
+                f"parameter {type(self.optimizer).__name__} optimizes must belong to {self.wrapped_name} the hook "
+                "is registered on."
             )
         for p in unused:  # no rank computed a gradient for it: no step, as for a gradient of None
             del pending[p]
@@ -272,6 +281,10 @@ class StepAllReduce(Communicator):
         method (`str`, *optional*, defaults to `"hierarchical"`): the ``onebit_all_reduce`` method.
         inter_method (`str`, *optional*, defaults to `"allgather"`): hierarchical only.
         chunk_numel (`int`, *optional*): bound on the elements per collective.
+        agree_group (`ProcessGroup`, *optional*): the ranks that agree on skipped steps and used parameters (default:
+            the topology's); sharded parameters need every rank of the mesh (``birder_hf.fsdp`` passes it).
+
+    Sharded parameters (FSDP2's ``DTensor``) are encoded, all-reduced and updated on their local shards.
     """
 
     def __init__(
@@ -282,6 +295,7 @@ class StepAllReduce(Communicator):
         method: str | None = None,
         inter_method: str = DEFAULT_INTER_METHOD,
         chunk_numel: int | None = None,
+        agree_group=None,
     ):
         method = DEFAULT_METHOD if method is None else method
         check_settings(method, inter_method, chunk_numel)
@@ -290,6 +304,7 @@ class StepAllReduce(Communicator):
         elif not isinstance(topology, Topology):
             raise TypeError(f"topology must be a birder_hf.Topology, got {type(topology).__name__}.")
         self.topology, self.method, self.inter_method, self.chunk_numel = topology, method, inter_method, chunk_numel
+        self.agree_group = topology.world_group if agree_group is None else agree_group
         self.stats = CommStats()
 
     def finish_step(self) -> list[Update] | None:
@@ -301,7 +316,7 @@ class StepAllReduce(Communicator):
         flags[0] = 0.0 if all_finite(list(grads.values())) else 1.0
         flags[1:] = torch.tensor([p in grads for p in params], dtype=torch.float32)
         dev = params[0].device if params else torch.device("cpu")
-        flags = agree(flags.to(dev), self.topology.world_group).cpu()
+        flags = agree(flags.to(dev), self.agree_group).cpu()
         if flags[0] != 0:
             warnings.warn(
                 "Birder: a rank had a non-finite gradient; every rank skipped this step.", RuntimeWarning, stacklevel=4
@@ -320,7 +335,7 @@ class StepAllReduce(Communicator):
         for p in ordered[1:]:
             dtype = torch.promote_types(dtype, state_dtype(p))
         check_agreement(
-            sum(p.numel() for p in ordered),
+            sum(local_tensor(p).numel() for p in ordered),
             topology=self.topology,
             method=self.method,
             inter_method=self.inter_method,
@@ -330,7 +345,7 @@ class StepAllReduce(Communicator):
         )
         us = []
         for group, ps in batch:
-            us += opt.encode(group, ps, [grads[p] if p in grads else torch.zeros_like(p) for p in ps])
+            us += opt.encode(group, ps, [grads[p] if p in grads else torch.zeros_like(local_tensor(p)) for p in ps])
         keys = opt.bit_keys(ordered, [int(opt.state[p]["step"]) for p in ordered])
         flat = torch.cat([u.reshape(-1) for u in us])
         d = onebit_all_reduce(
@@ -347,7 +362,8 @@ class StepAllReduce(Communicator):
         for group, ps in batch:
             ds = []
             for p in ps:
-                ds.append(d[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+                x = local_tensor(p)
+                ds.append(d[offset : offset + x.numel()].view_as(x))
+                offset += x.numel()
             updates.append(Update(group, ps, ds))
         return updates

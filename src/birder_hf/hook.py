@@ -64,6 +64,8 @@ class BirderHookState(HookState):
             not stepped, as with a gradient of None, also after ``zero_grad(set_to_none=False)`` left a zero
             tensor in ``.grad`` (one Python call per parameter per backward, 4 more bytes per parameter in that
             all-reduce). With ``check_finite=False``, use ``zero_grad(set_to_none=True)`` (the default) for that.
+        agree_group (`ProcessGroup`, *optional*): the ranks that agree a step is finite; defaults to the
+            topology's (``birder_hf.fsdp`` passes every rank of the mesh).
     """
 
     optimizer_class = Birder
@@ -81,13 +83,14 @@ class BirderHookState(HookState):
         inter_method: str = DEFAULT_INTER_METHOD,
         chunk_numel: int | None = None,
         check_finite: bool = True,
+        agree_group=None,
     ):
         check_settings(method, inter_method, chunk_numel)
         if isinstance(optimizer, Birder) and not all(g["quantize"] for g in optimizer.param_groups):
-            raise ValueError("quantize=False is for one process only; the DDP hook always sends 1 bit.")
+            raise ValueError("quantize=False is for one process only; the 1-bit hook always sends 1 bit.")
         self.method, self.inter_method, self.chunk_numel = method, inter_method, chunk_numel
         self._scratch: dict[torch.Tensor, StateBuffers] = {}  # param -> the buffers its next step writes into
-        super().__init__(optimizer, topology, check_finite=check_finite)
+        super().__init__(optimizer, topology, check_finite=check_finite, agree_group=agree_group)
 
     def _settings(self, optimizer) -> dict:
         return {
@@ -100,6 +103,10 @@ class BirderHookState(HookState):
     @property
     def description(self) -> str:
         return f"1-bit {self.method} hook"
+
+    def buffer_bytes(self) -> int:
+        """Bytes of the buffers kept between steps: the staged ``m``, ``b`` (and max ``b``) of every parameter."""
+        return sum(t.nbytes for bufs in self._scratch.values() for t in bufs if t is not None)
 
     def _buffers(self, p: torch.Tensor, state: dict, amsgrad: bool) -> StateBuffers:
         bufs = self._scratch.get(p)

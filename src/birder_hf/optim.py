@@ -39,6 +39,9 @@ from .base import (
     all_finite,
     is_integer,
     is_real_number,
+    local_tensor,
+    shard_offset,
+    shard_record,
     state_dtype,
     step_problem,
     tensor_problem,
@@ -74,7 +77,9 @@ class Birder(OneBitOptimizer):
       encodes and runs the 1-bit all-reduce during backward, DDP writes :math:`d` into ``.grad``, and
       ``step()`` only applies the last line;
     - the optimizer-side all-reduce, with ``process_group=`` or ``topology=`` (loops without DDP, sharded
-      parameters): ``step()`` encodes, all-reduces and applies.
+      parameters): ``step()`` encodes, all-reduces and applies;
+    - for FSDP2-sharded models, :func:`birder_hf.fsdp.register_birder_fsdp` (1-bit HSDP: FSDP inside a node, 1 bit
+      across nodes). Sharded parameters (``DTensor``) keep ``m``, ``b`` for their local shard only.
 
     State: per parameter ``"step"`` (a CPU float32 scalar, as in ``torch.optim``), ``"exp_avg"``
     (:math:`m`), ``"exp_avg_abs"`` (:math:`b`) and, with ``amsgrad``, ``"max_exp_avg_abs"``. ``m`` and
@@ -127,7 +132,7 @@ class Birder(OneBitOptimizer):
         "maximize": FLAG,
     }
     optional_settings = ("foreach", "maximize")
-    state_keys = ("step", "exp_avg", "exp_avg_abs", "max_exp_avg_abs")
+    state_keys = ("step", "exp_avg", "exp_avg_abs", "max_exp_avg_abs", "shard")
 
     def __init__(
         self,
@@ -188,13 +193,20 @@ class Birder(OneBitOptimizer):
 
     # --------------------------------------------------------------------- protocol for communicators
     def init_state(self, p: torch.Tensor, group: dict) -> dict:
-        """The state of ``p`` (created on first use: zero ``m``, ``b`` at least float32, ``step`` 0)."""
+        """The state of ``p`` (created on first use: zero ``m``, ``b`` at least float32, ``step`` 0).
+
+        A sharded parameter (FSDP2's ``DTensor``) gets plain tensors of its local shard's shape, and ``"shard"``:
+        ``(offset, local numel, full numel)``, which a resume checks (``birder_hf.base.shard_record``).
+        """
         state = self.state[p]
         if len(state) == 0:
-            dtype = state_dtype(p)
+            dtype, x = state_dtype(p), local_tensor(p)
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-            state["exp_avg_abs"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            state["exp_avg"] = torch.zeros_like(x, dtype=dtype, memory_format=torch.preserve_format)
+            state["exp_avg_abs"] = torch.zeros_like(x, dtype=dtype, memory_format=torch.preserve_format)
+            record = shard_record(p)
+            if record is not None:
+                state["shard"] = record
         if group["amsgrad"] and "max_exp_avg_abs" not in state:
             state["max_exp_avg_abs"] = state["exp_avg_abs"].clone()
         return state
@@ -206,11 +218,12 @@ class Birder(OneBitOptimizer):
 
         Without ``out``: count a step and update their ``m`` and ``b`` in place. With ``out``: leave the state alone
         and write the new ``m``, ``b`` (and ``u``) into ``out`` (staged: :meth:`commit_state` makes them the state).
-        Callers check every parameter of the step with :meth:`check_state_matches` first.
+        Callers check every parameter of the step with :meth:`check_state_matches` first. Sharded parameters and
+        gradients (``DTensor``) are encoded on their local shards.
         """
         states = [self.init_state(p, group) for p in params]
         us = birder_encode(
-            grads,
+            [local_tensor(g) for g in grads],
             [s["exp_avg"] for s in states],
             [s["exp_avg_abs"] for s in states],
             [s["max_exp_avg_abs"] for s in states] if group["amsgrad"] else None,
@@ -233,7 +246,7 @@ class Birder(OneBitOptimizer):
             return f"lacks {missing}"
         tensors = [k for k in ("exp_avg", "exp_avg_abs", "max_exp_avg_abs") if k in state]
         problem = step_problem(state["step"]) or next(
-            filter(None, (tensor_problem(state, k, p.shape) for k in tensors)), None
+            filter(None, (tensor_problem(state, k, local_tensor(p).shape) for k in tensors)), None
         )
         if problem is not None:
             return problem
@@ -259,8 +272,20 @@ class Birder(OneBitOptimizer):
         return old
 
     def bit_keys(self, params: list[torch.Tensor], steps: list[int]) -> BitKeys:
-        """The keys of the random bits of ``params`` (flattened one after the other) at ``steps``."""
-        return BitKeys(self.seed, steps, [self.param_index(p) for p in params], [p.numel() for p in params])
+        """The keys of the random bits of ``params`` (flattened one after the other) at ``steps``.
+
+        A sharded parameter contributes its local shard, its counters starting at the shard's offset in the full
+        parameter (``birder_hf.base.shard_offset``): element ``j`` of a parameter draws from counter ``j`` whichever
+        rank holds it, so the bits depend on the shard layout only through who draws them.
+        """
+        locals_ = [local_tensor(p) for p in params]
+        return BitKeys(
+            self.seed,
+            steps,
+            [self.param_index(p) for p in params],
+            [x.numel() for x in locals_],
+            [shard_offset(p) for p in params],
+        )
 
     # ------------------------------------------------------------------------------------------- step
     def _step_alone(self) -> None:
@@ -269,7 +294,12 @@ class Birder(OneBitOptimizer):
     def _step_communicated(self, updates: list[Update] | None) -> None:
         # None: a rank had a non-finite gradient, and every rank skips the step
         for group, params, directions in updates or ():
-            birder_apply(params, directions, lr=group["lr"], weight_decay=group["weight_decay"])
+            birder_apply(
+                [local_tensor(p) for p in params],
+                [local_tensor(d) for d in directions],
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+            )
 
     def _local_updates(self) -> list[Update] | None:
         # one process: encode, then quantize locally (rank 0's keys)
@@ -285,14 +315,14 @@ class Birder(OneBitOptimizer):
             us = self.encode(group, params, grads)
             if group["quantize"]:
                 keys = self.bit_keys(params, [int(self.state[p]["step"]) for p in params])
-                us = [_signs(u, keys.key(i, STAGE_WORKER, 0)) for i, u in enumerate(us)]
+                us = [_signs(u, keys.key(i, STAGE_WORKER, 0), keys.offsets[i]) for i, u in enumerate(us)]
             updates.append(Update(group, params, us))
         return updates
 
 
-def _signs(u: torch.Tensor, key: tuple[int, int]) -> torch.Tensor:
-    # Q(u): +1 with probability (1 + u) / 2, else -1, in u's dtype and shape
-    return torch.where(quantize_bits(u, key).view_as(u), 1.0, -1.0).to(u.dtype)
+def _signs(u: torch.Tensor, key: tuple[int, int], offset: int = 0) -> torch.Tensor:
+    # Q(u): +1 with probability (1 + u) / 2, else -1, in u's dtype and shape (offset: the counter of u's first element)
+    return torch.where(quantize_bits(u, key, offset).view_as(u), 1.0, -1.0).to(u.dtype)
 
 
 class StateBuffers(NamedTuple):

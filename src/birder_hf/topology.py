@@ -225,30 +225,8 @@ class Topology:
         rank calls it.
         """
         _require_initialized("Topology.from_device_mesh")
-        if not hasattr(mesh, "mesh") or not hasattr(mesh, "get_group"):
-            raise TypeError(
-                f"Topology.from_device_mesh expects a torch.distributed DeviceMesh, got {type(mesh).__name__}; build "
-                "one with init_device_mesh(device, (num_nodes, local_world_size))."
-            )
-        if getattr(mesh, "ndim", None) != 2:
-            raise ValueError(
-                f"Topology.from_device_mesh expects a 2-D torch.distributed DeviceMesh (nodes x local), got "
-                f"{type(mesh).__name__}{f' of {mesh.ndim} dimensions' if hasattr(mesh, 'ndim') else ''}; build one "
-                "with init_device_mesh(device, (num_nodes, local_world_size))."
-            )
-        world = dist.get_world_size()
-        k, lws = mesh.size(0), mesh.size(1)
-        if k * lws != world:
-            raise ValueError(f"the mesh covers {k * lws} ranks but the default group has {world}; use a mesh of all")
-        grid = mesh.mesh.tolist()  # grid[node][local] = global rank
-        # a group's ranks are ordered by global rank: the mesh must ascend along both dimensions for
-        # those orders to be the mesh's local and node indices
-        if any(sorted(row) != row for row in grid) or any(sorted(col) != list(col) for col in zip(*grid)):
-            raise ValueError(
-                "Topology.from_device_mesh: the mesh's nodes and columns do not form a sorted grid (ranks "
-                "ascending along both dimensions); build the mesh with init_device_mesh(device, (num_nodes, "
-                "local_world_size)), or use Topology.from_layout(num_nodes, local_world_size)."
-            )
+        grid = _mesh_grid(mesh, "Topology.from_device_mesh")  # grid[node][local] = global rank
+        k = len(grid)
         rank = dist.get_rank()
         node = next(g for g in range(k) if rank in grid[g])
         local = grid[node].index(rank)
@@ -257,6 +235,45 @@ class Topology:
         if intra_ranks != set(grid[node]) or inter_ranks != {row[local] for row in grid}:
             raise ValueError("Topology.from_device_mesh: mesh.get_group(0/1) disagree with mesh.mesh")
         return cls._from_grid(grid)
+
+    @classmethod
+    def from_replicate_dim(cls, mesh) -> Topology:
+        """This rank and its replicas across the nodes, each its own node: ``k`` nodes x 1 rank.
+
+        ``mesh`` is the 2-D ``(replicate, shard)`` DeviceMesh of HSDP (dimension 0 spans the ``k`` nodes,
+        dimension 1 the ranks of a node; ``init_device_mesh(device, (k, L), mesh_dim_names=("replicate",
+        "shard"))``). The topology holds the ``k`` ranks with this rank's local index, one per node, which hold the
+        same shard of every FSDP parameter: the group Birder's 1-bit all-reduce runs on in sharded training
+        (``birder_hf.fsdp``). Every byte it sends counts as inter-node. A 1-D mesh of all ranks is one node
+        (``k = 1``: this rank alone). Collective: every rank calls it (each builds its own copy of the groups, as
+        :meth:`from_device_mesh` does).
+        """
+        _require_initialized("Topology.from_replicate_dim")
+        if getattr(mesh, "ndim", None) == 1 and hasattr(mesh, "mesh"):
+            grid = [mesh.mesh.tolist()]
+            if sorted(grid[0]) != list(range(dist.get_world_size())):
+                raise ValueError(f"Topology.from_replicate_dim: the 1-D mesh {grid[0]} must hold every rank once")
+        else:
+            grid = _mesh_grid(mesh, "Topology.from_replicate_dim")
+        k, lws = len(grid), len(grid[0])
+        rank = dist.get_rank()
+        node = next(g for g in range(k) if rank in grid[g])
+        local = grid[node].index(rank)
+        columns = [[grid[g][j] for g in range(k)] for j in range(lws)]
+        group, _ = dist.new_subgroups_by_enumeration(columns)
+        return cls(
+            rank=node,
+            world_size=k,
+            local_rank=0,
+            local_world_size=1,
+            node_rank=node,
+            num_nodes=k,
+            world_group=group,
+            intra_group=None,
+            inter_group=group if k > 1 else None,
+            intra_ranks=(rank,),
+            inter_ranks=tuple(columns[local]),
+        )
 
     @classmethod
     def _from_grid(cls, grid: list[list[int]]) -> Topology:
@@ -300,6 +317,35 @@ class Topology:
             "Topology holds process groups and cannot be pickled or checkpointed; rebuild it after a restart "
             "(Topology.from_env() / from_layout() / from_device_mesh()) and keep it out of state_dict()."
         )
+
+
+def _mesh_grid(mesh, where: str) -> list[list[int]]:
+    """``grid[node][local] = global rank`` of a 2-D DeviceMesh covering every rank, ascending along both dimensions."""
+    if not hasattr(mesh, "mesh") or not hasattr(mesh, "get_group"):
+        raise TypeError(
+            f"{where} expects a torch.distributed DeviceMesh, got {type(mesh).__name__}; build one with "
+            "init_device_mesh(device, (num_nodes, local_world_size))."
+        )
+    if getattr(mesh, "ndim", None) != 2:
+        raise ValueError(
+            f"{where} expects a 2-D torch.distributed DeviceMesh (nodes x local), got "
+            f"{type(mesh).__name__}{f' of {mesh.ndim} dimensions' if hasattr(mesh, 'ndim') else ''}; build one "
+            "with init_device_mesh(device, (num_nodes, local_world_size))."
+        )
+    world = dist.get_world_size()
+    k, lws = mesh.size(0), mesh.size(1)
+    if k * lws != world:
+        raise ValueError(f"the mesh covers {k * lws} ranks but the default group has {world}; use a mesh of all")
+    grid = mesh.mesh.tolist()
+    # a group's ranks are ordered by global rank: the mesh must ascend along both dimensions for
+    # those orders to be the mesh's local and node indices
+    if any(sorted(row) != row for row in grid) or any(sorted(col) != list(col) for col in zip(*grid)):
+        raise ValueError(
+            f"{where}: the mesh's nodes and columns do not form a sorted grid (ranks "
+            "ascending along both dimensions); build the mesh with init_device_mesh(device, (num_nodes, "
+            "local_world_size)), or use Topology.from_layout(num_nodes, local_world_size)."
+        )
+    return grid
 
 
 def _check_env_table(table: list, world: int) -> str:

@@ -16,6 +16,14 @@
 The same call registers ``onebit_adam_hook`` for a ``OneBitAdam`` optimizer (1-bit Adam, the paper's compressed
 baseline), with the same per-rank checkpoints.
 
+Sharded models (FSDP2, ``birder_hf.fsdp``): shard the model yourself with ``fully_shard(..., mesh=mesh["shard"])`` on a
+2-D ``(replicate, shard)`` mesh, prepare only the optimizer and data loaders (accelerate refuses to wrap a sharded
+model in DDP), then ``register_birder_hook(accelerator, model, optimizer, mesh=mesh)``: FSDP reduce-scatters inside
+each node in full precision, Birder sends 1 bit across the nodes. accelerate's own FSDP plugin (GPUs only) shards on
+its ``dp_shard`` dimension for plain FSDP (accepted: nothing crosses a replicate dimension, Birder runs uncompressed
+with a warning) and on the 2-D ``(dp_replicate, dp_shard)`` mesh for HSDP, which all-reduces gradients across nodes
+in full precision before Birder sees them: refused, with this recipe as the fix.
+
 ``accelerate``'s ``DistributedDataParallelKwargs(comm_hook=...)`` only takes its built-in hooks (a
 callable is ignored), hence this function. Do not call ``accelerator.clip_grad_norm_`` with Birder:
 after the hook, ``.grad`` holds the direction ``d`` in ``[-1, 1]``, and each step moves a coordinate by at most
@@ -30,6 +38,7 @@ import os
 from ..base import OneBitOptimizer, unwrap_optimizer
 from ..checkpoint import read_own_rank_state, save_rank_state
 from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, check_settings
+from ..fsdp import register_birder_fsdp
 from ..hook import attach_ddp_hook
 from ..topology import Topology
 
@@ -53,15 +62,17 @@ def check_really_distributed(num_processes: int) -> None:
         )
 
 
-def register_birder_hook(accelerator, model, optimizer, *, topology: Topology | None = None, **options):
-    """Register the 1-bit hook on the DDP model that ``accelerator.prepare`` returned.
+def register_birder_hook(accelerator, model, optimizer, *, topology: Topology | None = None, mesh=None, **options):
+    """Register the 1-bit hook on the DDP model that ``accelerator.prepare`` returned (or on an FSDP2-sharded model).
 
     Args:
         accelerator (`accelerate.Accelerator`): the accelerator that prepared ``model`` and ``optimizer``.
         model (`DistributedDataParallel`): the model returned by ``prepare`` (``torch.compile``-d or not).
         optimizer (`Birder` or `OneBitAdam`, or accelerate's wrapper of it): the prepared optimizer; a
             ``OneBitAdam`` gets ``onebit_adam_hook``.
-        topology (`Topology`, *optional*): defaults to ``Topology.from_env()`` (the launcher's node layout).
+        topology (`Topology`, *optional*): DDP: defaults to ``Topology.from_env()`` (the launcher's node layout).
+        mesh (`DeviceMesh`, *optional*): FSDP2: the 2-D ``(replicate, shard)`` mesh the model was sharded on
+            (:func:`birder_hf.fsdp.register_birder_fsdp`); default: the mesh of the model's parameters.
         **options: the hook's settings, as :func:`birder_hf.attach_ddp_hook` takes them: ``method`` (default
             ``"hierarchical"``), ``inter_method``, ``chunk_numel``, ``check_finite``.
 
@@ -90,6 +101,18 @@ def register_birder_hook(accelerator, model, optimizer, *, topology: Topology | 
         _register_checkpoint_hooks(accelerator, inner)
         logger.info("%s: single process, no gradient communication to compress.", type(inner).__name__)
         return None
+    sharded = next((p for p in model.parameters() if hasattr(p, "device_mesh")), None)
+    if sharded is not None:
+        if topology is not None:
+            raise ValueError(
+                "topology= is for DDP; for an FSDP2-sharded model pass mesh= (the (replicate, shard) mesh)."
+            )
+        state = register_birder_fsdp(model, inner, mesh if mesh is not None else sharded.device_mesh, **options)
+        _register_checkpoint_hooks(accelerator, inner)
+        logger.info("%s: %s registered.", type(inner).__name__, state.description)
+        return state
+    if mesh is not None:
+        raise ValueError("mesh= is for FSDP2-sharded models; this model is not sharded (DDP takes topology=).")
     state = attach_ddp_hook(model, inner, topology=topology or Topology.from_env(), **options)
     _register_checkpoint_hooks(accelerator, inner)
     logger.info("%s: %s registered on %r.", type(inner).__name__, state.description, state.topology)

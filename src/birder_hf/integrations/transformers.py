@@ -21,10 +21,18 @@ What it changes, on purpose:
   construction); clipping it is meaningless, so a positive ``max_grad_norm`` (default 1.0) is set to 0 with a
   warning.
 - ``fp16`` (loss scaling) is refused: a skipped, scaled step would corrupt the EMAs. Use ``bf16``.
+
+Sharded training (``BirderArguments(sharding="hsdp")``, our extension of the paper, ``birder_hf.fsdp``): the
+Trainer shards the model itself with FSDP2 on the ``"shard"`` dimension of a ``(nodes, ranks per node)`` mesh (every
+block of ``_no_split_modules``, then the root), so FSDP reduce-scatters gradients inside each node in full precision
+and Birder's 1-bit all-reduce is the only traffic across nodes. This runs wherever ``torchrun`` runs, CPU included
+(accelerate's FSDP plugin needs GPUs). ``HSDPTrainer`` is the same sharding with native HSDP (full-precision
+all-reduce across nodes) for any other optimizer: the uncompressed baseline.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
@@ -35,6 +43,7 @@ from ..base import OneBitOptimizer, is_integer, unwrap_optimizer
 from ..checkpoint import disk_full_error, read_own_rank_state, save_rank_state
 from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, INTER_METHODS, METHODS, check_settings
 from ..communicators import HookState
+from ..fsdp import hsdp_mesh, register_birder_fsdp, shard_model
 from ..hook import attach_ddp_hook
 from ..model_card import model_card_section, optimizer_description
 from ..onebit_adam import OneBitAdam
@@ -50,7 +59,15 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "birder_hf.integrations.transformers needs transformers: pip install 'birder-hf[transformers]'"
     ) from exc
 
-__all__ = ["BirderArguments", "BirderTrainerMixin", "BirderTrainer", "BirderCallback", "birder_model_card_section"]
+__all__ = [
+    "BirderArguments",
+    "BirderTrainerMixin",
+    "BirderTrainer",
+    "BirderCallback",
+    "ShardedTrainerMixin",
+    "HSDPTrainer",
+    "birder_model_card_section",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +110,13 @@ class BirderArguments:
             "e.g. --num_nodes 2 with 4 processes on one machine simulates 2 nodes x 2 for the hierarchical method."
         },
     )
+    sharding: str = field(
+        default="none",
+        metadata={
+            "help": "none (DDP: every rank holds the whole model) | hsdp (FSDP2 inside each node, 1 bit across the "
+            "nodes; nodes from --num_nodes or the launcher's LOCAL_WORLD_SIZE)."
+        },
+    )
     comm_method: str | None = field(default=None, metadata={"help": "Deprecated name of --method."})
 
     optimizers: ClassVar[tuple[str, ...]] = OPTIMIZERS  # a recipe's subclass may add its uncompressed baselines
@@ -124,6 +148,8 @@ class BirderArguments:
                 f"Invalid num_nodes={self.num_nodes!r}: num_nodes must be None (the launcher's layout) or an int >= 1 "
                 "that divides the number of processes."
             )
+        if self.sharding not in ("none", "hsdp"):
+            raise ValueError(f"sharding={self.sharding!r}; choose none or hsdp.")
 
     def topology(self) -> Topology:
         """The topology these arguments ask for (collective: every rank must call it)."""
@@ -141,6 +167,8 @@ class BirderArguments:
         out = {"method": self.method, "inter_method": self.inter_method, "chunk_numel": self.chunk_numel}
         if self.num_nodes is not None:
             out["num_nodes"] = self.num_nodes
+        if self.sharding != "none":
+            out["sharding"] = self.sharding
         return out
 
 
@@ -166,6 +194,17 @@ class BirderCallback(TrainerCallback):
             return
         # a new optimizer (first train(), or a new trial of hyperparameter_search / model_init): a new hook
         b = trainer.birder_args
+        if trainer.birder_mesh is not None:
+            trainer.birder_hook_state = register_birder_fsdp(
+                trainer.model,
+                opt,
+                trainer.birder_mesh,
+                method=b.method,
+                inter_method=b.inter_method,
+                chunk_numel=b.chunk_numel,
+            )
+            logger.info("%s: %s on %r", type(opt).__name__, trainer.birder_hook_state.description, trainer.birder_mesh)
+            return
         trainer.birder_hook_state = attach_ddp_hook(
             trainer.model_wrapped,
             opt,
@@ -178,7 +217,118 @@ class BirderCallback(TrainerCallback):
         logger.info("%s: %s registered on %r", type(opt).__name__, state.description, state.topology)
 
 
-class BirderTrainerMixin:
+class ShardedTrainerMixin:
+    """A ``Trainer`` that shards its model with FSDP2 itself, on a ``(replicate, shard)`` mesh (module docstring).
+
+    After ``Trainer.__init__``, :meth:`shard_for_training` applies ``fully_shard`` to every block and the root, and
+    puts the Trainer in its mode for a model that arrives FSDP2-sharded and reduces its own gradients (the mode of
+    ``from_pretrained(distributed_config=...)``): no DDP wrapping, gradient accumulation through FSDP's
+    ``set_requires_gradient_sync``. Checkpoints hold the full weights (``save_pretrained``; every rank takes part in
+    the gather) and load back into the shards.
+    """
+
+    birder_mesh = None  # the (replicate, shard) DeviceMesh, once sharded
+
+    def shard_for_training(self, num_nodes: int | None, *, across_nodes: bool) -> None:
+        """Shard ``self.model`` on the ``"shard"`` dimension (``across_nodes=False``: Birder's 1-bit HSDP) or on the
+        whole 2-D mesh (``True``: native HSDP, full-precision all-reduce across nodes)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("sharding='hsdp' needs a distributed launch (torchrun or accelerate launch).")
+        if self.optimizer is not None:
+            raise ValueError(
+                "sharding='hsdp' creates the optimizer after sharding the model; pass optimizer_cls_and_kwargs= "
+                "instead of an optimizer instance (optimizers=)."
+            )
+        if self.args.fsdp or self.args.deepspeed:
+            raise ValueError(
+                "sharding='hsdp' shards the model itself; drop --fsdp/--deepspeed (accelerate's FSDP plugin would "
+                "shard it again, and DeepSpeed reduces gradients its own way)."
+            )
+        mesh = hsdp_mesh(num_nodes if num_nodes is not None else _launcher_nodes(), self.args.device.type)
+        shard_model(self.model, mesh if across_nodes else mesh["shard"])
+        self.birder_mesh = mesh
+        # the Trainer's own flag for a model sharded before it: it neither wraps it in DDP nor shards it again
+        self.is_distributed_loading_by_transformers = True
+        logger.info("Model sharded with FSDP2 on %r (%s).", mesh, "native HSDP" if across_nodes else "1-bit HSDP")
+
+    @contextlib.contextmanager
+    def _defer_fsdp_gradient_reduction(self):
+        # micro-batches before the last: FSDP keeps the unsharded gradient and reduce-scatters once
+        if self.birder_mesh is None:
+            with super()._defer_fsdp_gradient_reduction():
+                yield
+            return
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if self.birder_mesh is None:
+            return super().save_model(output_dir, _internal_call)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        # every rank takes part in gathering the full weights; the main process writes them
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.args.should_save:
+            self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=full)
+        if self.args.push_to_hub and not _internal_call:  # as Trainer.save_model does
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        if self.birder_mesh is None:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        state = _read_full_weights(resume_from_checkpoint)
+        # tied weights (an LM head sharing the embedding) are saved once: strict=False
+        set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+class HSDPTrainer(ShardedTrainerMixin, Trainer):
+    """``transformers.Trainer`` with native HSDP (FSDP2 on the 2-D mesh: full precision across nodes), for any
+    optimizer: the uncompressed baseline of Birder's 1-bit HSDP. ``num_nodes``: default from the launcher."""
+
+    def __init__(self, *args, num_nodes: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.shard_for_training(num_nodes, across_nodes=True)
+
+
+def _launcher_nodes() -> int:
+    import torch.distributed as dist
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    world = dist.get_world_size()
+    if local < 1 or world % local:
+        raise ValueError(
+            f"LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE')!r} gives no node layout of {world} ranks; pass "
+            "--num_nodes."
+        )
+    return world // local
+
+
+def _read_full_weights(folder: str) -> dict:
+    """The weights ``save_pretrained`` wrote in ``folder`` (one safetensors file or an index of shards)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    state = {}
+    for name in files:
+        state.update(load_file(os.path.join(folder, name)))
+    return state
+
+
+class BirderTrainerMixin(ShardedTrainerMixin):
     """Mix into any ``transformers.Trainer`` subclass (first in the bases) to train with Birder."""
 
     def __init__(self, *args, birder_args: BirderArguments | None = None, **kwargs):
@@ -202,6 +352,8 @@ class BirderTrainerMixin:
             )
             self.args.max_grad_norm = 0.0
         self.add_callback(BirderCallback(self))
+        if birder_args.sharding == "hsdp":
+            self.shard_for_training(birder_args.num_nodes, across_nodes=False)
 
     def create_optimizer(self, model=None):
         if self.optimizer is None and self.optimizer_cls_and_kwargs is None:
@@ -235,6 +387,16 @@ class BirderTrainerMixin:
                 exc.add_note(f"birder_hf: {kept}.")
                 raise
             raise full from exc
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        # the Trainer loads rank 0's optimizer.pt into every rank: this rank's own state wins (sharded m, b would not
+        # even fit another rank's shard); on_train_begin loads it again, for Trainers that load elsewhere
+        opt = unwrap_optimizer(self.optimizer)
+        if checkpoint is not None and isinstance(opt, OneBitOptimizer):
+            opt.stage_rank_state(
+                read_own_rank_state(opt, checkpoint, rank=self.args.process_index, world_size=self.args.world_size)
+            )
+        return super()._load_optimizer_and_scheduler(checkpoint)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         if resume_from_checkpoint is True:
