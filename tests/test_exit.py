@@ -42,6 +42,37 @@ if rank == 1:
 print("rank", rank, "done", flush=True)
 """
 
+# A hook state closed explicitly, then the process groups destroyed in the documented order.
+CLOSED = """
+import os, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from birder_hf import Birder, BirderHookState, Topology, birder_hook
+
+dist.init_process_group("gloo")
+model = DDP(torch.nn.Linear(8, 1))
+opt = Birder(model.parameters(), lr=1e-2, seed=0)
+state = BirderHookState(opt, topology=Topology.from_layout(1, 2))
+model.register_comm_hook(state, birder_hook)
+for _ in range(3):
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+threads = len(os.listdir("/proc/self/task"))
+state.close()
+assert state.topology.closed and opt.communicator is None
+released = threads - len(os.listdir("/proc/self/task"))
+assert released > 0, released  # the topology's group and its threads are gone now, not at exit
+try:
+    model(torch.randn(4, 8)).sum().backward()
+except RuntimeError as exc:
+    assert "was closed" in str(exc), exc
+else:
+    raise AssertionError("a closed hook state communicated")
+dist.destroy_process_group()
+print("rank", os.environ["RANK"], "done", released, flush=True)
+"""
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -87,6 +118,12 @@ def test_a_process_ending_with_a_callback_in_flight_exits_cleanly(tmp_path):
     codes, outs = _run_ranks(IN_FLIGHT, tmp_path)
     assert codes == [0, 0], "\n".join(o[-2000:] for o in outs)  # was [-6, 0]: SIGABRT on rank 0
     assert all("done" in o and "terminate called" not in o for o in outs)
+
+
+def test_close_releases_the_hook_process_groups_now(tmp_path):
+    codes, outs = _run_ranks(CLOSED, tmp_path)
+    assert codes == [0, 0], "\n".join(o[-2000:] for o in outs)
+    assert all(re.search(r"done (\d+)", o) for o in outs)
 
 
 def _spin():

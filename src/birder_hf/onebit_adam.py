@@ -155,7 +155,7 @@ class OneBitAdam(OneBitOptimizer):
         return int(self.init_state(p, group)["step"]) >= group["freeze_step"]
 
     # ------------------------------------------------------------------------------------------- step
-    def _step_alone(self) -> None:
+    def _step_alone(self) -> bool:
         for group, params, grads in self.gradients():
             for p, grad in zip(params, grads):
                 st = self.init_state(p, group)
@@ -170,6 +170,7 @@ class OneBitAdam(OneBitOptimizer):
                 st["worker_error"], st["server_error"] = ew.view_as(p), es
                 st["exp_avg"] = _decompress(bits, scale, x.dtype).view_as(p)
                 _adam_update(p, st, group)
+        return False
 
     def _step_communicated(self, staged: dict | None) -> None:
         if staged is None:
@@ -334,6 +335,7 @@ class OneBitAdamHookState(HookState):
 
     optimizer_class = OneBitAdam
     hook_name = "onebit_adam_hook"
+    loss_scale_invariant = False  # Adam's step and the compressed momentum's scale follow the gradient's scale
 
     __slots__ = ("warmup_steps", "compressed_steps")
 
@@ -376,7 +378,7 @@ def onebit_adam_hook(state: OneBitAdamHookState, bucket: dist.GradBucket) -> tor
     n, rank = topo.world_size, topo.rank
     buffer = bucket.buffer()
     items = state._begin_bucket(bucket)
-    phases = {opt.compressing(p, group) for p, _, group in items}
+    phases = {opt.compressing(item.param, item.group) for item in items}
     if len(phases) > 1:
         raise RuntimeError(
             "A DDP bucket holds parameters in both phases (their step counts differ): every parameter of the model "
@@ -387,19 +389,25 @@ def onebit_adam_hook(state: OneBitAdamHookState, bucket: dist.GradBucket) -> tor
     stats.fp32_allreduce_bytes += fp32_allreduce_bytes(buffer.numel(), n)
 
     if not phases or not phases.pop():  # warm-up: average in full precision (allreduce_hook)
-        for p, g, group in items:
-            state._stage(p, group, _Warmup(g))
+        for item in items:
+            state._stage(item.param, item.group, _Warmup(item.grad))
+        moved = [item for item in items if item.grad.stride() != item.in_place.stride()]
 
         def start(wire):
             buffer.div_(n)
             # a ring all-reduce sends 2(n-1)/n of the buffer, split over the peers
             return wire.all_reduce_sum(buffer, "world", 2 * buffer.numel() * buffer.element_size() / n)
 
-        return launch_in_order(topo, Job(Wire(topo, stats), start, lambda wire, recv: recv))
+        def finish(wire, recv):
+            for item in moved:  # DDP reads this parameter back in another order than it filled it in
+                item.in_place.copy_(item.grad.clone())
+            return recv
+
+        return state._end_bucket(bucket, launch_in_order(topo, Job(Wire(topo, stats), start, finish)))
 
     # compressed: worker side, here on the autograd thread
     layout, records, signs_list, scales_list, col = [], [], [], [], 0
-    for p, g, group in items:
+    for p, g, group, _, in_place in items:
         st = opt.init_error_buffers(p, rank, n)
         signs, scales, ew = compress_with_feedback(_local_momentum(st, g, group), n, group["scaling"])
         record = _Compressed(ew.view_as(p))
@@ -407,7 +415,7 @@ def onebit_adam_hook(state: OneBitAdamHookState, bucket: dist.GradBucket) -> tor
         records.append(record)
         signs_list.append(signs)
         scales_list.append(scales)
-        layout.append(_Segment(col, signs.shape[1], g, st["server_error"], group["scaling"], p.shape))
+        layout.append(_Segment(col, signs.shape[1], in_place, st["server_error"], group["scaling"], p.shape))
         col += signs.shape[1]
     nbytes = -(-col // 8)
     bits = torch.zeros(n, 8 * nbytes, dtype=torch.bool, device=buffer.device)
@@ -436,19 +444,18 @@ def onebit_adam_hook(state: OneBitAdamHookState, bucket: dist.GradBucket) -> tor
         for j, (seg, record) in enumerate(zip(layout, records)):
             cols = slice(seg.col, seg.col + seg.width)
             m_bar = _decompress(all_bits[:, cols], all_scales[:, j], seg.server_error.dtype).view(-1)
-            record.m_bar = m_bar[: seg.grad.numel()].view(seg.shape)
-            # the local gradients were consumed above: the bucket now carries m_bar (through the gradient
-            # views, so that a channels_last parameter's .grad gets it in its own layout)
-            seg.grad.copy_(record.m_bar)
+            record.m_bar = m_bar[: seg.out.numel()].view(seg.shape)
+            # the local gradients were consumed above: the bucket now carries m_bar, in the order DDP reads it back
+            seg.out.copy_(record.m_bar)
         return buffer
 
-    return launch_in_order(topo, Job(Wire(topo, stats), start, finish))
+    return state._end_bucket(bucket, launch_in_order(topo, Job(Wire(topo, stats), start, finish)))
 
 
 class _Segment(NamedTuple):
     col: int  # first column of this parameter in the bucket's shard rows
     width: int  # its shard width
-    grad: torch.Tensor  # the bucket's view of its gradient
+    out: torch.Tensor  # the bucket's view that DDP reads this parameter's result from
     server_error: torch.Tensor  # this rank's shard's error buffer
     scaling: str
     shape: torch.Size
