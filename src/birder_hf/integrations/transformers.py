@@ -4,11 +4,14 @@ One line for users: ``Trainer(...)`` becomes ``BirderTrainer(..., birder_args=Bi
 
 Why a subclass and not only a callback: a ``TrainerCallback`` sees the unwrapped model, not the DDP
 module the hook must be registered on, and it cannot put numbers into the logs that TensorBoard and
-friends receive, nor learn which checkpoint a resume starts from. The subclass uses public seams
-only: ``create_optimizer`` (Birder by default), ``train`` (remembers ``resume_from_checkpoint``),
+friends receive, nor learn which checkpoint a resume starts from. The subclass uses the public seams
+``create_optimizer`` (Birder by default), ``train`` (remembers ``resume_from_checkpoint``),
 ``log`` (adds communication statistics), ``create_model_card`` (names Birder), plus a callback it
 installs itself for ``on_train_begin`` (after DDP wrapping and the framework's optimizer load: registers
-the hook, loads this rank's own Birder state) and ``on_save`` (writes every rank's Birder state).
+the hook, loads this rank's own Birder state) and ``on_optimizer_step`` (tells the Trainer when Birder skipped a
+step), and two protected methods of the Trainer: ``_save_optimizer_and_scheduler(output_dir)`` (writes every rank's
+Birder state into the very folder the Trainer saves to, ``run-*/checkpoint-N`` in a hyperparameter search) and
+``_get_grad_norm`` (see below).
 For your own Trainer subclass: ``class MyTrainer(BirderTrainerMixin, Seq2SeqTrainer): ...``.
 ``optimizer_cls_and_kwargs=(Birder, {...})`` and ``optimizers=(Birder(...), None)`` work too.
 
@@ -17,7 +20,13 @@ What it changes, on purpose:
   direction ``d`` in ``[-1, 1]`` (each step moves a coordinate by at most ``lr * (1 + weight_decay * |x|)``, by
   construction); clipping it is meaningless, so a positive ``max_grad_norm`` (default 1.0) is set to 0 with a
   warning.
-- ``fp16`` (loss scaling) is refused: a skipped, scaled step would corrupt the EMAs. Use ``bf16``.
+- ``grad_norm`` is not logged: the Trainer would log the norm of ``.grad``, which holds ``d`` after the hook, and with
+  fp16 it would un-scale ``.grad`` to compute it.
+- a step Birder skipped (a rank had a non-finite gradient) is reported to the Trainer as skipped, as a ``GradScaler``
+  overflow is: the learning-rate scheduler does not advance.
+- ``fp16`` trains with loss scaling (Birder's ``u = m / b`` does not depend on the scale; see
+  ``birder_hf.communicators.HookState``); 1-bit Adam is refused with ``fp16`` (use ``bf16``).
+- FSDP and DeepSpeed are refused at construction: sharded training with Birder is tracked in birder-hf issue 15.
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ from ..model_card import model_card_section, optimizer_description
 from ..onebit_adam import OneBitAdam
 from ..optim import Birder
 from ..topology import Topology
-from .accelerate import check_really_distributed
+from .accelerate import check_really_distributed, report_skipped_step
 
 try:
     from transformers import Trainer, TrainerCallback
@@ -146,7 +155,10 @@ class BirderCallback(TrainerCallback):
         hooked = trainer.birder_hook_state
         if args.world_size == 1 or (hooked is not None and hooked.optimizer is opt):
             return
-        # a new optimizer (first train(), or a new trial of hyperparameter_search / model_init): a new hook
+        # a new optimizer (first train(), or a new trial of hyperparameter_search / model_init): a new hook, on the
+        # new DDP model; the previous one's process groups are released first
+        if hooked is not None:
+            hooked.close()
         b = trainer.birder_args
         trainer.birder_hook_state = attach_ddp_hook(
             trainer.model_wrapped,
@@ -159,9 +171,10 @@ class BirderCallback(TrainerCallback):
         state = trainer.birder_hook_state
         logger.info("%s: %s registered on %r", type(opt).__name__, state.description, state.topology)
 
-    def on_save(self, args, state, control, **kwargs):
-        path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        save_rank_state(self.trainer.optimizer, path, rank=args.process_index, world_size=args.world_size)
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        # the Trainer steps the LR scheduler unless accelerate reports the optimizer step as skipped
+        opt = unwrap_optimizer(self.trainer.optimizer)
+        report_skipped_step(self.trainer.optimizer, getattr(opt, "step_was_skipped", False))
 
 
 class BirderTrainerMixin:
@@ -171,15 +184,14 @@ class BirderTrainerMixin:
         birder_args = birder_args if birder_args is not None else BirderArguments()
         if birder_args.optimizer not in OPTIMIZERS:
             raise ValueError(f"BirderArguments.optimizer={birder_args.optimizer!r}; choose birder or onebitadam.")
+        _check_supported_setup(
+            kwargs["args"] if "args" in kwargs else (args[1] if len(args) > 1 else None), birder_args
+        )
         super().__init__(*args, **kwargs)
         self.birder_args = birder_args
         self.birder_hook_state: HookState | None = None
         self._birder_resume_dir: str | None = None
-        if self.args.fp16:
-            raise ValueError(
-                "Birder does not support fp16 with loss scaling (a scaled, skipped step would corrupt m and b); "
-                "use --bf16 instead."
-            )
+        _check_supported_setup(self.args, birder_args, self)
         if self.args.max_grad_norm and self.args.max_grad_norm > 0:
             logger.warning(
                 "Birder: max_grad_norm=%s set to 0. After the 1-bit hook, .grad holds the direction d in [-1, 1] "
@@ -210,6 +222,16 @@ class BirderTrainerMixin:
         self._birder_resume_dir = resume_from_checkpoint or None
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        # every rank, into the folder the Trainer saves this checkpoint to (a trial's run-*/checkpoint-N included)
+        super()._save_optimizer_and_scheduler(output_dir)
+        save_rank_state(self.optimizer, output_dir, rank=self.args.process_index, world_size=self.args.world_size)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        # after the hook .grad holds d, whose norm says nothing about the gradient, and with fp16 the Trainer's
+        # norm would un-scale .grad (GradScaler.unscale_); log no norm
+        return grad_norm
+
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         state = self.birder_hook_state
         if state is not None and "loss" in logs and state.steps_communicated:
@@ -238,6 +260,33 @@ class BirderTrainerMixin:
         text = "\n".join(lines) + "\n\n" + model_card_section(opt, communication)
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
+
+
+def _check_supported_setup(args, b: BirderArguments, trainer=None) -> None:
+    """Refuse, at construction, the Trainer set-ups Birder cannot train correctly (``args``: the TrainingArguments;
+    ``trainer``: once built, for what accelerate's config enabled)."""
+    if args is None:
+        return
+    if args.fp16 and b.optimizer == "onebitadam":
+        raise ValueError(
+            "1-bit Adam cannot train with fp16 loss scaling: its hook encodes the scaled gradients, and Adam's step "
+            "depends on their scale. Use --bf16 (Birder itself trains with --fp16)."
+        )
+    sharded = [
+        name
+        for name, on in (
+            ("FSDP", bool(getattr(args, "fsdp", None)) or getattr(trainer, "is_fsdp_enabled", False)),
+            ("DeepSpeed", bool(getattr(args, "deepspeed", None)) or getattr(trainer, "is_deepspeed_enabled", False)),
+        )
+        if on
+    ]
+    if sharded:
+        # sharded training (FSDP2/HSDP) gets its own seam (birder-hf issue 15); this check is the one to replace
+        raise ValueError(
+            f"BirderTrainer does not support {' or '.join(sharded)} yet: the 1-bit hook needs plain DDP, where every "
+            "rank holds the whole model. Drop --fsdp/--deepspeed (and the accelerate config's FSDP/DeepSpeed plugin); "
+            "sharded training with Birder is tracked in birder-hf issue 15."
+        )
 
 
 class BirderTrainer(BirderTrainerMixin, Trainer):
