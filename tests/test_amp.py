@@ -180,3 +180,56 @@ def test_trainer_fp16_equals_the_unscaled_run_and_a_skipped_step_holds_the_lr_sc
         assert all(torch.equal(a, b) for a, b in zip(s["params"], p["params"]))
         _assert_state_scaled(s["state"], p["state"], SCALE / 2)
     assert all(torch.equal(a, b) for a, b in zip(scaled[0]["params"], scaled[1]["params"]))
+
+
+# -------------------------------------------------------------------------------------------------- refusals
+def _refusals(rank, world):
+    from accelerate import Accelerator
+
+    from birder_hf import OneBitAdam, attach_ddp_hook
+    from birder_hf.integrations.accelerate import register_birder_hook
+
+    errors = {}
+    x, y = _batch(rank, 0)
+
+    # un-scaling .grad after the hook (what clip_grad_norm_ does with fp16) would divide d by the scale
+    model = torch.nn.parallel.DistributedDataParallel(Net())
+    opt = Birder(model.parameters(), lr=0.01, seed=0)
+    attach_ddp_hook(model, opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    scaler.scale(model(x, y)["loss"]).backward()
+    scaler.unscale_(opt)
+    try:
+        scaler.step(opt)
+    except RuntimeError as exc:
+        errors["unscaled"] = str(exc)
+    unchanged = all(st["step"] == 0 for st in opt.state.values())
+
+    # 1-bit Adam's step depends on the gradient's scale: refused in step() and at registration
+    model = torch.nn.parallel.DistributedDataParallel(Net())
+    opt = OneBitAdam(model.parameters(), lr=0.01, freeze_step=2)
+    attach_ddp_hook(model, opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    scaler.scale(model(x, y)["loss"]).backward()
+    try:
+        scaler.step(opt)
+    except RuntimeError as exc:
+        errors["onebitadam_step"] = str(exc)
+    acc = Accelerator(cpu=True)
+    acc.scaler = torch.amp.GradScaler("cpu")
+    model = Net()
+    model, opt = acc.prepare(model, OneBitAdam(model.parameters(), lr=0.01, freeze_step=2))
+    try:
+        register_birder_hook(acc, model, opt)
+    except ValueError as exc:
+        errors["onebitadam_accelerate"] = str(exc)
+    return errors, unchanged
+
+
+def test_fp16_refusals():
+    for errors, unchanged in run_distributed(_refusals, 2, local_world_size=2):
+        assert "Do not unscale or clip with the 1-bit hook" in errors["unscaled"] and unchanged
+        assert (
+            "cannot train with fp16 loss scaling" in errors["onebitadam_step"] and "bf16" in errors["onebitadam_step"]
+        )
+        assert "mixed_precision='bf16'" in errors["onebitadam_accelerate"]

@@ -261,9 +261,11 @@ def shard_layout(numel: int, world_size: int) -> tuple[int, list[int]]:
     return c, [max(0, min(c, numel - r * c)) for r in range(world_size)]
 
 
-def _scales(rows: torch.Tensor, lens: list[int], scaling: str) -> torch.Tensor:
-    # rows (m, c) zero-padded past lens; padding adds nothing to either norm
-    n = torch.tensor(lens, dtype=rows.dtype, device=rows.device)
+def _scales(rows: torch.Tensor, numel: int, scaling: str) -> torch.Tensor:
+    # rows (m, c) hold numel values, zero-padded (padding adds nothing to either norm); row r holds
+    # min(c, numel - r c) of them, counted on the device (a tensor built from a host list is a copy per call)
+    m, c = rows.shape
+    n = (numel - c * torch.arange(m, device=rows.device)).clamp_(0, c).to(rows.dtype)
     if scaling == "l2":
         s = torch.linalg.vector_norm(rows, dim=1) / n.sqrt()
     else:
@@ -286,11 +288,11 @@ def compress_with_feedback(x: torch.Tensor, world_size: int, scaling: str = "l2"
         that ``decompressed + error == x`` up to one rounding.
     """
     numel = x.numel()
-    c, lens = shard_layout(numel, world_size)
+    c, _ = shard_layout(numel, world_size)
     rows = x.new_zeros(world_size * c)
     rows[:numel] = x.reshape(-1)
     rows = rows.view(world_size, c)
-    scales = _scales(rows, lens, scaling)
+    scales = _scales(rows, numel, scaling)
     signs = rows >= 0
     error = rows.sub_(_decompress(signs, scales, rows.dtype)).view(-1)[:numel]
     return signs, scales, error

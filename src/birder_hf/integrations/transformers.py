@@ -42,7 +42,7 @@ from ..checkpoint import read_rank_state, save_rank_state
 from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, INTER_METHODS, METHODS
 from ..communicators import HookState
 from ..hook import attach_ddp_hook
-from ..model_card import model_card_section, optimizer_description
+from ..model_card import fix_trainer_card, model_card_section, optimizer_description
 from ..onebit_adam import OneBitAdam
 from ..optim import Birder
 from ..topology import Topology
@@ -242,24 +242,33 @@ class BirderTrainerMixin:
                 logs[prefix + "compressed_steps"] = state.compressed_steps
         super().log(logs, *args, **kwargs)
 
-    def create_model_card(self, *args, **kwargs) -> None:
+    def create_model_card(self, *args, metrics: dict[str, float] | None = None, **kwargs) -> None:
+        """The Trainer's model card, corrected for Birder (also what ``push_to_hub(**kwargs)`` writes).
+
+        It names the optimizer that was used with its configured values and lists its settings, says "trained from
+        scratch" for a randomly initialized model (the Trainer links an empty base model), names a local
+        ``finetuned_from`` as a local checkpoint (the Trainer links ``huggingface.co/<local path>``), and puts
+        ``metrics`` measured outside the Trainer (e.g. ``{"exact_match": 57.1, "f1": 57.3}``) into ``model-index``
+        for the ``tasks`` and ``dataset`` given.
+        """
         super().create_model_card(*args, **kwargs)
         if not self.is_world_process_zero():
             return
         path = os.path.join(self.args.output_dir, "README.md")
         if not os.path.exists(path):
             return
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
         opt = unwrap_optimizer(self.optimizer)
         communication = self.birder_args.communication()
-        line = f"- optimizer: {optimizer_description(opt, communication)}"
-        lines = [line if ln.startswith("- optimizer:") else ln for ln in lines]
-        if line not in lines:
-            lines.append(line)
-        text = "\n".join(lines) + "\n\n" + model_card_section(opt, communication)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(text)
+        base = kwargs.get("finetuned_from") or getattr(getattr(self.model, "config", None), "_name_or_path", "") or ""
+        fix_trainer_card(
+            path,
+            optimizer_line=f"- optimizer: {optimizer_description(opt, communication)}",
+            section=model_card_section(opt, communication),
+            base_model=base,
+            metrics=metrics,
+            task=kwargs.get("tasks"),
+            dataset=kwargs.get("dataset"),
+        )
 
 
 def _check_supported_setup(args, b: BirderArguments, trainer=None) -> None:
