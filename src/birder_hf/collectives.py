@@ -45,7 +45,15 @@ import torch.distributed as dist
 from .quantize import STAGE_INTER_SHARD, STAGE_NODE, STAGE_SHARD, STAGE_WORKER, BitKeys, digits_mean_, votes_mean_
 from .topology import Topology
 
-__all__ = ["onebit_all_reduce", "CommStats", "expected_bytes", "fp32_allreduce_bytes", "METHODS", "INTER_METHODS"]
+__all__ = [
+    "onebit_all_reduce",
+    "CommStats",
+    "expected_bytes",
+    "fp32_allreduce_bytes",
+    "wait_for_callbacks",
+    "METHODS",
+    "INTER_METHODS",
+]
 
 METHODS = ("allgather", "scatter_gather", "hierarchical")
 INTER_METHODS = ("allgather", "scatter_gather")
