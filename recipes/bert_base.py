@@ -82,7 +82,7 @@ RECIPE_DEFAULTS = {
     "warmup_steps": 0,
     "lr_scheduler_type": "linear",
     "logging_steps": 25,
-    "save_strategy": "no",
+    "save_strategy": "no",  # --save_steps N alone switches it to "steps"
     "report_to": "none",
     "seed": 42,
     "ddp_find_unused_parameters": False,
@@ -155,7 +155,11 @@ def parse_args(argv=None):
     if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
         loader = parser.parse_json_file if argv[0].endswith(".json") else parser.parse_yaml_file
         return loader(os.path.abspath(argv[0]))
-    parser.set_defaults(**RECIPE_DEFAULTS, **({} if torch.cuda.is_available() else {"use_cpu": True}))
+    defaults = dict(RECIPE_DEFAULTS, **({} if torch.cuda.is_available() else {"use_cpu": True}))
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    if "--save_steps" in given and "--save_strategy" not in given:
+        defaults["save_strategy"] = "steps"  # asking for checkpoints every N steps gets them (the default is "no")
+    parser.set_defaults(**defaults)
     return parser.parse_args_into_dataclasses(args=argv)
 
 
@@ -272,10 +276,12 @@ def train(model_args, data_args, opt_args, training_args):
         with open(os.path.join(training_args.output_dir, "eval_predictions.json"), "w") as f:
             json.dump(predictions, f, indent=1)
     kwargs = dict(
-        finetuned_from=model_args.model_name_or_path,
+        finetuned_from=model_args.model_name_or_path,  # None: trained from scratch
         tasks="question-answering",
         dataset=data_args.dataset_name or "embedded synthetic SQuAD",
     )
+    if isinstance(trainer, BirderTrainer):  # Birder: EM/F1 into the card's model-index
+        kwargs["metrics"] = {"exact_match": metrics["eval_exact_match"], "f1": metrics["eval_f1"]}
     if training_args.push_to_hub:
         trainer.push_to_hub(**kwargs)
     else:

@@ -74,8 +74,39 @@ def test_bert_recipe_learns_with_the_hierarchical_hook(tmp_path):
     assert losses[-1] < 0.75 * losses[0], losses
     for name in ("model.safetensors", "config.json", "tokenizer.json", "README.md", "eval_predictions.json"):
         assert os.path.isfile(os.path.join(out, name)), name
-    assert "Trained with Birder" in open(os.path.join(out, "README.md")).read()
     assert "EM " in log and "less" in log  # the summary line with the bytes saved
+    _check_model_card(os.path.join(out, "README.md"), results)
+
+
+def _check_model_card(path, results):
+    """The card a user of the published checkpoint reads: the configured lr (the schedule ends at 0), only Birder's
+    settings, EM/F1 in model-index, and "trained from scratch" (no link to an empty base model)."""
+    import yaml
+
+    text = open(path, encoding="utf-8").read()
+    meta = yaml.safe_load(text.split("---")[1])
+    assert "Trained with Birder" in text and "This model was trained from scratch on" in text
+    assert "- optimizer: Birder (1-bit adaptive" in text and "lr=0.002," in text and "| lr | 0.002 |" in text
+    assert "freeze_step" not in text and "huggingface.co/)" not in text and "base_model" not in meta
+    (index,) = meta["model-index"]
+    scores = {m["type"]: m["value"] for r in index["results"] for m in r["metrics"]}
+    assert scores == {"exact_match": round(results["eval_exact_match"], 4), "f1": round(results["eval_f1"], 4)}
+    assert index["results"][0]["task"]["type"] == "question-answering"
+
+
+def test_bert_recipe_save_steps_alone_writes_checkpoints():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bert_base", os.path.join(ROOT, "recipes", "bert_base.py"))
+    recipe = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("bert_base", recipe)  # its dataclasses look their module up
+    spec.loader.exec_module(sys.modules["bert_base"])
+    recipe = sys.modules["bert_base"]
+    strategy = lambda *argv: recipe.parse_args(list(argv))[-1].save_strategy.value  # noqa: E731
+    assert strategy() == "no"  # the recipe's default: no checkpoints
+    assert strategy("--save_steps", "5") == "steps"  # asked for checkpoints: gets them (was: none)
+    assert strategy("--save_steps=5") == "steps"
+    assert strategy("--save_steps", "5", "--save_strategy", "no") == "no"  # an explicit choice stands
 
 
 def test_bert_recipe_baseline_and_bad_arguments(tmp_path):

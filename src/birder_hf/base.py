@@ -156,6 +156,14 @@ class Communicator:
         """Called by ``optimizer.step()``: commit and return what to apply, or ``None`` to skip the step everywhere."""
         raise NotImplementedError
 
+    def amp_scaling(self) -> bool:
+        """Whether ``step()`` takes the gradients from ``torch.amp.GradScaler`` without their being un-scaled (see
+        :attr:`OneBitOptimizer._step_supports_amp_scaling`)."""
+        return False
+
+    def check_loss_scaled_step(self) -> None:
+        """Called by ``step()`` when a ``GradScaler`` handed over loss-scaled gradients: raise if they are unusable."""
+
 
 _warned_without_communicator: set[str] = set()
 
@@ -179,6 +187,7 @@ class OneBitOptimizer(Optimizer):
     state_keys: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, params, defaults: dict):
+        self.step_was_skipped = False  # whether the last step() skipped (a rank had a non-finite gradient)
         self._communicator: Communicator | None = None
         self._staged_state: dict | None = None
         self._index_cache: dict[torch.Tensor, tuple[int, dict]] | None = None
@@ -187,6 +196,7 @@ class OneBitOptimizer(Optimizer):
 
     def __setstate__(self, state):
         super().__setstate__(state)
+        self.__dict__.setdefault("step_was_skipped", False)
         self.__dict__.setdefault("_communicator", None)
         self.__dict__.setdefault("_staged_state", None)
         self.__dict__.setdefault("_index_cache", None)
@@ -232,6 +242,20 @@ class OneBitOptimizer(Optimizer):
             )
 
     # ------------------------------------------------------------------------------------------- step
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """``torch.amp.GradScaler``'s opt-out: ``True`` makes ``scaler.step`` leave ``.grad`` as it is and call
+        ``step()`` with ``grad_scale``/``found_inf`` attributes set, instead of un-scaling ``.grad`` and skipping
+        ``step()`` on an overflow.
+
+        One process: ``False``, the scaler's usual un-scaling. Under the DDP hook ``.grad`` holds the direction d,
+        which must not be un-scaled (Birder's ``u = m / b`` does not depend on the loss scale, so the hook encodes the
+        scaled gradients as they are): ``True``, except after a non-finite backward, whose NaN direction the scaler
+        then finds (it skips ``step()`` and backs the scale off). With ``process_group=``/``topology=``: ``True``,
+        every rank must call ``step()``, whose all-reduce agrees on skipping.
+        """
+        return self._communicator is not None and self._communicator.amp_scaling()
+
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
         """One optimization step: alone (one process), or applying what the communicator agreed and staged."""
@@ -241,12 +265,17 @@ class OneBitOptimizer(Optimizer):
                 loss = closure()
         if self.communicator is None:
             self._warn_if_distributed_without_communicator()
-            self._step_alone()
+            self.step_was_skipped = self._step_alone()
         else:
-            self._step_communicated(self.communicator.finish_step())
+            if hasattr(self, "found_inf"):  # GradScaler.step left the loss-scaled .grad to us (the opt-out above)
+                self.communicator.check_loss_scaled_step()
+            staged = self.communicator.finish_step()
+            self.step_was_skipped = staged is None
+            self._step_communicated(staged)
         return loss
 
-    def _step_alone(self) -> None:
+    def _step_alone(self) -> bool:
+        """One process: the whole step; returns whether it was skipped (a non-finite gradient)."""
         raise NotImplementedError
 
     def _step_communicated(self, staged) -> None:

@@ -30,9 +30,11 @@ byte accounting) and :func:`launch_in_order` (calls on one topology run their co
 
 from __future__ import annotations
 
+import atexit
 import math
 import numbers
 import threading
+import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -51,6 +53,7 @@ __all__ = [
     "CommStats",
     "expected_bytes",
     "fp32_allreduce_bytes",
+    "wait_for_callbacks",
     "METHODS",
     "INTER_METHODS",
 ]
@@ -354,12 +357,9 @@ def _queue(topo: Topology) -> _Queue:
         return q
 
 
-def _settled(fut: torch.futures.Future) -> None:
-    fut.wait()  # propagate a failure to the next call in the queue
-
-
 def launch_in_order(topology: Topology, job: Job, *, async_op: bool = True):
     """Run ``job`` after every earlier call on ``topology``; a Future of its result (``async_op``) or the result."""
+    topology._check_open()
     queue = _queue(topology)
     if not async_op:
         with queue.lock:
@@ -369,10 +369,10 @@ def launch_in_order(topology: Topology, job: Job, *, async_op: bool = True):
         tail = queue.tail
         if tail is None or tail.done():
             recv, work = job.start()
-            fut = work.get_future().then(lambda f: (f.wait(), job.finish(recv))[1])
+            fut = then(work.get_future(), lambda f: (f.wait(), job.finish(recv))[1])
         else:
-            fut = tail.then(job.run)
-        queue.tail = fut.then(_settled)  # the queue keeps a marker, not the result
+            fut = then(tail, job.run)  # job.run re-raises a failure of the calls before it
+        queue.tail = fut
     return fut
 
 
@@ -490,6 +490,72 @@ def check_agreement(
 
 def _default_topology() -> Topology:
     return Topology.flat(dedicated=False)
+
+
+# ------------------------------------------------------------------------- callbacks on the backend's threads
+# A Python callback given to Future.then runs on a thread of the backend (gloo's workers, NCCL's callback thread),
+# and torch releases it there afterwards, taking the GIL to do so. The thread that waits for the Future wakes up as
+# soon as the callback has produced its value, before that release: a process that then exits can start finalizing
+# the interpreter first, and a backend thread that asks for the GIL during finalization is ended through a noexcept
+# destructor ("terminate called without an active exception": SIGABRT after a finished run). So every callback is
+# counted until torch has released it, and the process waits for the count to reach 0 before it finalizes (atexit)
+# and before a topology's groups are destroyed (Topology.close).
+class _Callback:
+    __slots__ = ("fn", "__weakref__")
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def __call__(self, fut):
+        return self.fn(fut)
+
+
+class _LiveCallbacks:
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.refs: set[weakref.ref] = set()
+        self.exit_wait_registered = False
+
+    def add(self, cb: _Callback) -> None:
+        with self.cond:
+            self.refs.add(weakref.ref(cb, self._released))
+            if not self.exit_wait_registered:
+                atexit.register(wait_for_callbacks, _EXIT_TIMEOUT_S)
+                self.exit_wait_registered = True
+
+    def _released(self, ref: weakref.ref) -> None:  # on the thread that released the callback, holding the GIL
+        with self.cond:
+            self.refs.discard(ref)
+            self.cond.notify_all()
+
+    def wait(self, timeout: float | None) -> bool:
+        with self.cond:  # waiting releases the GIL, so the backend's threads can finish
+            return self.cond.wait_for(lambda: not self.refs, timeout)
+
+
+_LIVE = _LiveCallbacks()
+_EXIT_TIMEOUT_S = 10.0  # a finished run needs milliseconds; a peer that died must not hold up the exit for long
+
+
+def then(fut: torch.futures.Future, fn: Callable) -> torch.futures.Future:
+    """``fut.then(fn)``, with ``fn`` counted until torch has released it on the backend's thread (see above)."""
+    cb = _Callback(fn)
+    _LIVE.add(cb)
+    return fut.then(cb)
+
+
+def wait_for_callbacks(timeout: float | None = None) -> bool:
+    """Wait until every callback that :func:`then` gave to a Future has run and been released (``timeout`` in
+    seconds; ``None``: no limit). Returns ``False`` on timeout, with a warning: a callback still waits for a peer."""
+    if _LIVE.wait(timeout):
+        return True
+    warnings.warn(
+        f"birder_hf: {len(_LIVE.refs)} callback(s) of the 1-bit all-reduce still wait for a collective after "
+        f"{timeout} s (a peer rank failed or has not joined); the process may abort when it exits.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return False
 
 
 # ------------------------------------------------------------------------------------ the 1-bit all-reduce
@@ -658,8 +724,6 @@ def onebit_all_reduce(
         >>> d = onebit_all_reduce(u, topology=Topology.from_layout(2, 2), method="hierarchical", keys=7)
     """
     if generator is not _UNSET:
-        import warnings
-
         warnings.warn(
             "onebit_all_reduce(generator=...) is renamed keys=...; generator= goes away in the next release.",
             FutureWarning,
@@ -672,6 +736,7 @@ def onebit_all_reduce(
     topo = _default_topology() if topology is None else topology
     if not isinstance(topo, Topology):
         raise TypeError(f"topology must be a birder_hf.Topology, got {type(topo).__name__}")
+    topo._check_open()
     _check_device(topo.world_group, u.device)
     flat, shape = u.detach().reshape(-1), u.shape
     numel, n = flat.numel(), topo.world_size

@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from .base import Update, unwrap_optimizer
-from .collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, check_settings, onebit_all_reduce
-from .communicators import HookState
+from .collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, check_settings, onebit_all_reduce, then
+from .communicators import HookState, _is_dense
 from .onebit_adam import OneBitAdam, OneBitAdamHookState, onebit_adam_hook
 from .optim import Birder, EncodeOut, StateBuffers
 from .topology import Topology
@@ -149,26 +149,25 @@ def birder_hook(state: BirderHookState, bucket: dist.GradBucket) -> torch.future
     buffer = bucket.buffer()
     items = state._begin_bucket(bucket)
     try:
-        return _start_bucket(state, opt, buffer, items)
+        return _start_bucket(state, opt, bucket, buffer, items)
     except BaseException:
-        state._abort_bucket([p for p, _, _ in items])  # nothing of this bucket stays staged
+        state._abort_bucket([b.param for b in items])  # nothing of this bucket stays staged
         raise
 
 
-def _start_bucket(state: BirderHookState, opt: Birder, buffer: torch.Tensor, items: list):
+def _start_bucket(state: BirderHookState, opt: Birder, bucket, buffer: torch.Tensor, items: list):
     # encode the bucket's parameters into scratch buffers (committed in optimizer.step()), start the all-reduce
-    opt.check_state_matches([p for p, _, _ in items])
+    opt.check_state_matches([b.param for b in items])
     u_dtype = torch.float64 if buffer.dtype == torch.float64 else torch.float32
     u_flat = torch.empty(buffer.numel(), dtype=u_dtype, device=buffer.device)
 
     by_group: dict[int, _GroupWork] = {}
     params, steps, offset = [], [], 0
     strided = []  # (offset, shape, strides) of the gradients the bucket holds in another memory order
-    for p, _, group in items:
+    for p, g, group, *_ in items:
         st = opt.init_state(p, group)
-        g = _grad_view(buffer, p, offset)
-        if not g.is_contiguous():
-            strided.append((offset, g.shape, g.stride()))
+        if _is_dense(p) and not p.is_contiguous():  # DDP reads a new result tensor with p's strides
+            strided.append((offset, p.shape, p.stride()))
         work = by_group.setdefault(id(group), _GroupWork(group, [], [], []))
         work.params.append(p)
         work.grads.append(g)
@@ -198,30 +197,9 @@ def _start_bucket(state: BirderHookState, opt: Birder, buffer: torch.Tensor, ite
         stats=state._step_stats,
         out=u_flat,
     )
-    if buffer.dtype == u_dtype and not strided:
-        return fut
-    return fut.then(lambda f: _to_bucket_layout(f.value().to(buffer.dtype), strided))
-
-
-def _is_dense(t: torch.Tensor) -> bool:
-    # its elements fill numel() consecutive slots in some order of the dimensions (no gaps, no overlap)
-    expected = 1
-    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _grad_view(buffer: torch.Tensor, p: torch.Tensor, offset: int) -> torch.Tensor:
-    """``p``'s gradient in the bucket as DDP lays it out: in ``p``'s own memory order when ``p`` is dense (NHWC for
-    a channels_last conv weight), C-contiguous otherwise (torch's ``Reducer::initialize_bucket_views``).
-
-    ``GradBucket.gradients()`` views every segment C-contiguously, which scrambles a channels_last gradient.
-    """
-    if _is_dense(p):
-        return buffer.as_strided(p.shape, p.stride(), buffer.storage_offset() + offset)
-    return buffer[offset : offset + p.numel()].view(p.shape)
+    if buffer.dtype != u_dtype or strided:
+        fut = then(fut, lambda f: _to_bucket_layout(f.value().to(buffer.dtype), strided))
+    return state._end_bucket(bucket, fut)
 
 
 def _to_bucket_layout(d: torch.Tensor, strided: list) -> torch.Tensor:

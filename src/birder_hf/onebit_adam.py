@@ -209,7 +209,7 @@ class OneBitAdam(OneBitOptimizer):
         return int(self.init_state(p, group)["step"]) >= group["freeze_step"]
 
     # ------------------------------------------------------------------------------------------- step
-    def _step_alone(self) -> None:
+    def _step_alone(self) -> bool:
         for group, params, grads in self.gradients():
             for p, grad in zip(params, grads):
                 st = self.init_state(p, group)
@@ -224,6 +224,7 @@ class OneBitAdam(OneBitOptimizer):
                 st["worker_error"], st["server_error"] = ew.view_as(p), es
                 st["exp_avg"] = _decompress(bits, scale, x.dtype).view_as(p)
                 _adam_update(p, st, group)
+        return False
 
     def _step_communicated(self, staged: dict | None) -> None:
         if staged is None:
@@ -287,9 +288,11 @@ def shard_layout(numel: int, world_size: int) -> tuple[int, list[int]]:
     return c, [max(0, min(c, numel - r * c)) for r in range(world_size)]
 
 
-def _scales(rows: torch.Tensor, lens: list[int], scaling: str) -> torch.Tensor:
-    # rows (m, c) zero-padded past lens; padding adds nothing to either norm
-    n = torch.tensor(lens, dtype=rows.dtype, device=rows.device)
+def _scales(rows: torch.Tensor, numel: int, scaling: str) -> torch.Tensor:
+    # rows (m, c) hold numel values, zero-padded (padding adds nothing to either norm); row r holds
+    # min(c, numel - r c) of them, counted on the device (a tensor built from a host list is a copy per call)
+    m, c = rows.shape
+    n = (numel - c * torch.arange(m, device=rows.device)).clamp_(0, c).to(rows.dtype)
     if scaling == "l2":
         s = torch.linalg.vector_norm(rows, dim=1) / n.sqrt()
     else:
@@ -312,11 +315,11 @@ def compress_with_feedback(x: torch.Tensor, world_size: int, scaling: str = "l2"
         that ``decompressed + error == x`` up to one rounding.
     """
     numel = x.numel()
-    c, lens = shard_layout(numel, world_size)
+    c, _ = shard_layout(numel, world_size)
     rows = x.new_zeros(world_size * c)
     rows[:numel] = x.reshape(-1)
     rows = rows.view(world_size, c)
-    scales = _scales(rows, lens, scaling)
+    scales = _scales(rows, numel, scaling)
     signs = rows >= 0
     error = rows.sub_(_decompress(signs, scales, rows.dtype)).view(-1)[:numel]
     return signs, scales, error
@@ -361,6 +364,7 @@ class OneBitAdamHookState(HookState):
 
     optimizer_class = OneBitAdam
     hook_name = "onebit_adam_hook"
+    loss_scale_invariant = False  # Adam's step and the compressed momentum's scale follow the gradient's scale
 
     __slots__ = ("warmup_steps", "compressed_steps")
 
@@ -401,17 +405,17 @@ def onebit_adam_hook(state: OneBitAdamHookState, bucket: dist.GradBucket) -> tor
     """
     items = state._begin_bucket(bucket)
     try:
-        return _start_bucket(state, bucket.buffer(), items)
+        return _start_bucket(state, bucket, bucket.buffer(), items)
     except BaseException:
-        state._abort_bucket([p for p, _, _ in items])  # nothing of this bucket stays staged
+        state._abort_bucket([item.param for item in items])  # nothing of this bucket stays staged
         raise
 
 
-def _start_bucket(state: OneBitAdamHookState, buffer: torch.Tensor, items: list):
+def _start_bucket(state: OneBitAdamHookState, bucket, buffer: torch.Tensor, items: list):
     opt, topo = state.optimizer, state.topology
     n, rank = topo.world_size, topo.rank
-    opt.check_state_matches([p for p, _, _ in items])
-    phases = {opt.compressing(p, group) for p, _, group in items}
+    opt.check_state_matches([item.param for item in items])
+    phases = {opt.compressing(item.param, item.group) for item in items}
     if len(phases) > 1:
         raise RuntimeError(
             "A DDP bucket holds parameters in both phases (their step counts differ): every parameter of the model "
@@ -422,19 +426,25 @@ def _start_bucket(state: OneBitAdamHookState, buffer: torch.Tensor, items: list)
     stats.fp32_allreduce_bytes += fp32_allreduce_bytes(buffer.numel(), n)
 
     if not phases or not phases.pop():  # warm-up: average in full precision (allreduce_hook)
-        for p, g, group in items:
-            state._stage(p, group, _Warmup(g))
+        for item in items:
+            state._stage(item.param, item.group, _Warmup(item.grad))
+        moved = [item for item in items if item.grad.stride() != item.in_place.stride()]
 
         def start(wire):
             buffer.div_(n)
             # a ring all-reduce sends 2(n-1)/n of the buffer, split over the peers
             return wire.all_reduce_sum(buffer, "world", 2 * buffer.numel() * buffer.element_size() / n)
 
-        return launch_in_order(topo, Job(Wire(topo, stats), start, lambda wire, recv: recv))
+        def finish(wire, recv):
+            for item in moved:  # DDP reads this parameter back in another order than it filled it in
+                item.in_place.copy_(item.grad.clone())
+            return recv
+
+        return state._end_bucket(bucket, launch_in_order(topo, Job(Wire(topo, stats), start, finish)))
 
     # compressed: worker side, here on the autograd thread
     layout, records, signs_list, scales_list, col = [], [], [], [], 0
-    for p, g, group in items:
+    for p, g, group, _, in_place in items:
         st = opt.init_error_buffers(p, rank, n)
         signs, scales, ew = compress_with_feedback(_local_momentum(st, g, group), n, group["scaling"])
         record = _Compressed(ew.view_as(p))
@@ -442,7 +452,7 @@ def _start_bucket(state: OneBitAdamHookState, buffer: torch.Tensor, items: list)
         records.append(record)
         signs_list.append(signs)
         scales_list.append(scales)
-        layout.append(_Segment(col, signs.shape[1], g, st["server_error"], group["scaling"], p.shape))
+        layout.append(_Segment(col, signs.shape[1], in_place, st["server_error"], group["scaling"], p.shape))
         col += signs.shape[1]
     nbytes = -(-col // 8)
     bits = torch.zeros(n, 8 * nbytes, dtype=torch.bool, device=buffer.device)
@@ -471,19 +481,18 @@ def _start_bucket(state: OneBitAdamHookState, buffer: torch.Tensor, items: list)
         for j, (seg, record) in enumerate(zip(layout, records)):
             cols = slice(seg.col, seg.col + seg.width)
             m_bar = _decompress(all_bits[:, cols], all_scales[:, j], seg.server_error.dtype).view(-1)
-            record.m_bar = m_bar[: seg.grad.numel()].view(seg.shape)
-            # the local gradients were consumed above: the bucket now carries m_bar (through the gradient
-            # views, so that a channels_last parameter's .grad gets it in its own layout)
-            seg.grad.copy_(record.m_bar)
+            record.m_bar = m_bar[: seg.out.numel()].view(seg.shape)
+            # the local gradients were consumed above: the bucket now carries m_bar, in the order DDP reads it back
+            seg.out.copy_(record.m_bar)
         return buffer
 
-    return launch_in_order(topo, Job(Wire(topo, stats), start, finish))
+    return state._end_bucket(bucket, launch_in_order(topo, Job(Wire(topo, stats), start, finish)))
 
 
 class _Segment(NamedTuple):
     col: int  # first column of this parameter in the bucket's shard rows
     width: int  # its shard width
-    grad: torch.Tensor  # the bucket's view of its gradient
+    out: torch.Tensor  # the bucket's view that DDP reads this parameter's result from
     server_error: torch.Tensor  # this rank's shard's error buffer
     scaling: str
     shape: torch.Size

@@ -288,8 +288,10 @@ class Birder(OneBitOptimizer):
         )
 
     # ------------------------------------------------------------------------------------------- step
-    def _step_alone(self) -> None:
-        self._step_communicated(self._local_updates())
+    def _step_alone(self) -> bool:
+        updates = self._local_updates()
+        self._step_communicated(updates)
+        return updates is None
 
     def _step_communicated(self, updates: list[Update] | None) -> None:
         # None: a rank had a non-finite gradient, and every rank skips the step

@@ -20,7 +20,7 @@ the two streams of collectives could be issued in different orders on different 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
@@ -77,9 +77,12 @@ class Topology:
             ``None`` when ``k == 1``. (``None`` means "only this rank, no collective needed"; do not
             pass it to ``torch.distributed``, where ``None`` means the default group.)
         intra_ranks, inter_ranks: the global ranks of those groups.
+        owned_groups: the groups the topology built itself (``close()`` destroys them).
+        closed: whether :meth:`close` released the groups.
 
     A topology holds process groups: it cannot be pickled and has no state to checkpoint; rebuild it
-    after a restart. It is immutable, and compares by identity.
+    after a restart. It is immutable, and compares by identity. :meth:`close` releases the groups it built (every
+    rank, after its last use; the hook states' ``close()`` calls it).
 
     Example::
 
@@ -99,6 +102,8 @@ class Topology:
     inter_group: object
     intra_ranks: tuple[int, ...]
     inter_ranks: tuple[int, ...]
+    owned_groups: tuple = field(default=(), repr=False)  # the groups this topology built (close() destroys them)
+    closed: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self):
         if self.local_world_size * self.num_nodes != self.world_size:
@@ -129,11 +134,13 @@ class Topology:
         if rank < 0:
             raise ValueError("Topology.flat(group): this process is not a member of `group`")
         ranks = tuple(dist.get_process_group_ranks(group))
+        owned = ()
         if dedicated and size > 1:
             # members only need to call when group is a proper subgroup
             local = size != dist.get_world_size()
             group = dist.new_group(list(ranks), use_local_synchronization=local)
             rank, ranks = dist.get_rank(group), tuple(dist.get_process_group_ranks(group))
+            owned = (group,)
         return cls(
             rank=rank,
             world_size=size,
@@ -146,6 +153,7 @@ class Topology:
             inter_group=None,
             intra_ranks=ranks,
             inter_ranks=(ranks[rank],),
+            owned_groups=owned,
         )
 
     @classmethod
@@ -285,6 +293,8 @@ class Topology:
         intra = [list(row) for row in grid]
         inter = [[grid[g][j] for g in range(k)] for j in range(lws)]
         world_group = dist.new_group(list(range(world))) if world > 1 else dist.group.WORLD
+        intra_group, inter_group = _build_group(intra, world_group), _build_group(inter, world_group)
+        built = [g for g in (world_group, intra_group, inter_group) if g is not None and g is not dist.group.WORLD]
         return cls(
             rank=rank,
             world_size=world,
@@ -293,11 +303,43 @@ class Topology:
             node_rank=node,
             num_nodes=k,
             world_group=world_group,
-            intra_group=_build_group(intra, world_group),
-            inter_group=_build_group(inter, world_group),
+            intra_group=intra_group,
+            inter_group=inter_group,
             intra_ranks=intra[node],
             inter_ranks=inter[local],
+            owned_groups=tuple({id(g): g for g in built}.values()),
         )
+
+    # -------------------------------------------------------------------------------------------- close
+    def close(self) -> None:
+        """Release the process groups this topology built, now (idempotent; every rank calls it after its last use).
+
+        Waits until the backend's threads have finished with the 1-bit all-reduce's callbacks, then destroys the
+        groups, joining their threads on this thread. Without it they live until the interpreter exits. A topology
+        built over groups it did not create (``Topology.flat(group, dedicated=False)``) leaves them alone. Using a
+        closed topology raises.
+        """
+        if self.closed:
+            return
+        from .collectives import wait_for_callbacks  # the callbacks run on these groups' threads
+
+        wait_for_callbacks()
+        for group in self.owned_groups:
+            try:
+                dist.destroy_process_group(group)
+            except ValueError:  # already destroyed (destroy_process_group() destroys every group)
+                pass
+        for name in ("world_group", "intra_group", "inter_group"):
+            object.__setattr__(self, name, None)
+        object.__setattr__(self, "owned_groups", ())
+        object.__setattr__(self, "closed", True)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError(
+                f"{self!r} was closed (its process groups are released); build a new topology, and a new hook state "
+                "with it, to communicate again."
+            )
 
     # ------------------------------------------------------------------------------------------- misc
     def __repr__(self) -> str:

@@ -25,9 +25,13 @@ with a warning) and on the 2-D ``(dp_replicate, dp_shard)`` mesh for HSDP, which
 in full precision before Birder sees them: refused, with this recipe as the fix.
 
 ``accelerate``'s ``DistributedDataParallelKwargs(comm_hook=...)`` only takes its built-in hooks (a
-callable is ignored), hence this function. Do not call ``accelerator.clip_grad_norm_`` with Birder:
-after the hook, ``.grad`` holds the direction ``d`` in ``[-1, 1]``, and each step moves a coordinate by at most
-``lr * (1 + weight_decay * |x|)`` by construction.
+callable is ignored), hence this function. ``mixed_precision="fp16"`` works: Birder takes the loss-scaled gradients
+as they are, and an overflow on any rank skips the step everywhere (``optimizer.step_was_skipped``) and backs the
+scale off (``birder_hf.communicators.HookState``); 1-bit Adam is refused with fp16.
+
+Do not call ``accelerator.clip_grad_norm_`` with Birder: after the hook, ``.grad`` holds the direction ``d`` in
+``[-1, 1]``, and each step moves a coordinate by at most ``lr * (1 + weight_decay * |x|)`` by construction (with fp16
+it would also un-scale ``.grad``, which Birder refuses with an error).
 """
 
 from __future__ import annotations
@@ -40,9 +44,10 @@ from ..checkpoint import read_own_rank_state, save_rank_state
 from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, check_settings
 from ..fsdp import register_birder_fsdp
 from ..hook import attach_ddp_hook
+from ..onebit_adam import OneBitAdam
 from ..topology import Topology
 
-__all__ = ["register_birder_hook", "check_really_distributed"]
+__all__ = ["register_birder_hook", "check_really_distributed", "report_skipped_step"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +102,12 @@ def register_birder_hook(accelerator, model, optimizer, *, topology: Topology | 
             f"DistributedDataParallelKwargs(comm_hook={builtin}) already asks for a built-in hook; DDP allows one "
             "hook per model. Drop comm_hook from the kwargs handler to use Birder's 1-bit hook."
         )
+    if isinstance(inner, OneBitAdam) and getattr(accelerator, "scaler", None) is not None:
+        raise ValueError(
+            "1-bit Adam cannot train with fp16 loss scaling (accelerate's GradScaler): its hook encodes the scaled "
+            "gradients, and Adam's step depends on their scale. Use mixed_precision='bf16' (Birder itself trains "
+            "with fp16)."
+        )
     if accelerator.num_processes == 1:
         _register_checkpoint_hooks(accelerator, inner)
         logger.info("%s: single process, no gradient communication to compress.", type(inner).__name__)
@@ -117,6 +128,22 @@ def register_birder_hook(accelerator, model, optimizer, *, topology: Topology | 
     _register_checkpoint_hooks(accelerator, inner)
     logger.info("%s: %s registered on %r.", type(inner).__name__, state.description, state.topology)
     return state
+
+
+def report_skipped_step(optimizer, skipped: bool) -> None:
+    """Tell accelerate that ``optimizer``'s last step was skipped (``Accelerator.optimizer_step_was_skipped``, which
+    the Trainer and ``AcceleratedScheduler`` read to hold the learning-rate schedule back).
+
+    accelerate only knows the steps a ``GradScaler`` skipped (``AcceleratedOptimizer.step_was_skipped``); a step Birder
+    skipped itself (a rank had a non-finite gradient, without a scaler) is set here on the same flag. With a scaler,
+    accelerate's own answer stands unless Birder skipped. Call it after ``optimizer.step()``.
+    """
+    if not hasattr(optimizer, "step_was_skipped") or not hasattr(optimizer, "_is_overflow"):
+        return  # not accelerate's AcceleratedOptimizer
+    if getattr(optimizer, "scaler", None) is None:
+        optimizer._is_overflow = bool(skipped)  # accelerate sets it only in its scaler branch
+    elif skipped:
+        optimizer._is_overflow = True
 
 
 def _check_options(method: str = DEFAULT_METHOD, inter_method: str = DEFAULT_INTER_METHOD, **others) -> None:

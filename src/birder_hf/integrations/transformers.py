@@ -8,10 +8,12 @@ friends receive, nor learn which checkpoint a resume starts from. The subclass u
 ``create_optimizer`` (Birder by default), ``train`` (remembers ``resume_from_checkpoint``),
 ``log`` (adds communication statistics), ``create_model_card`` (names Birder), plus a callback it
 installs itself for ``on_train_begin`` (after DDP wrapping and the framework's optimizer load: registers
-the hook, loads this rank's own Birder state, every rank together). Saving uses two private ones:
-``_save_optimizer_and_scheduler`` writes every rank's Birder state inside the checkpoint step (a callback's
-``on_save`` runs after the Trainer has marked the checkpoint complete and rotated old ones away, so a failed write
-there could leave no complete checkpoint), and ``_save_checkpoint`` says when the disk is full.
+the hook, loads this rank's own Birder state, every rank together) and ``on_optimizer_step`` (tells the Trainer
+when Birder skipped a step), and protected methods of the Trainer: ``_save_optimizer_and_scheduler(output_dir)``
+writes every rank's Birder state into the very folder the Trainer saves to (``run-*/checkpoint-N`` in a
+hyperparameter search), inside the checkpoint step (a callback's ``on_save`` runs after the Trainer has marked the
+checkpoint complete and rotated old ones away, so a failed write there could leave no complete checkpoint);
+``_save_checkpoint`` says when the disk is full; ``_get_grad_norm`` (see below).
 For your own Trainer subclass: ``class MyTrainer(BirderTrainerMixin, Seq2SeqTrainer): ...``.
 ``optimizer_cls_and_kwargs=(Birder, {...})`` and ``optimizers=(Birder(...), None)`` work too.
 
@@ -20,7 +22,14 @@ What it changes, on purpose:
   direction ``d`` in ``[-1, 1]`` (each step moves a coordinate by at most ``lr * (1 + weight_decay * |x|)``, by
   construction); clipping it is meaningless, so a positive ``max_grad_norm`` (default 1.0) is set to 0 with a
   warning.
-- ``fp16`` (loss scaling) is refused: a skipped, scaled step would corrupt the EMAs. Use ``bf16``.
+- ``grad_norm`` is not logged: the Trainer would log the norm of ``.grad``, which holds ``d`` after the hook, and with
+  fp16 it would un-scale ``.grad`` to compute it.
+- a step Birder skipped (a rank had a non-finite gradient) is reported to the Trainer as skipped, as a ``GradScaler``
+  overflow is: the learning-rate scheduler does not advance.
+- ``fp16`` trains with loss scaling (Birder's ``u = m / b`` does not depend on the scale; see
+  ``birder_hf.communicators.HookState``); 1-bit Adam is refused with ``fp16`` (use ``bf16``).
+- the Trainer's own ``--fsdp`` and DeepSpeed are refused at construction: for sharded training use
+  ``BirderArguments(sharding="hsdp")`` (below).
 
 Sharded training (``BirderArguments(sharding="hsdp")``, our extension of the paper, ``birder_hf.fsdp``): the
 Trainer shards the model itself with FSDP2 on the ``"shard"`` dimension of a ``(nodes, ranks per node)`` mesh (every
@@ -45,11 +54,11 @@ from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, INTER_METHODS, M
 from ..communicators import HookState
 from ..fsdp import hsdp_mesh, register_birder_fsdp, shard_model
 from ..hook import attach_ddp_hook
-from ..model_card import model_card_section, optimizer_description
+from ..model_card import fix_trainer_card, model_card_section, optimizer_description
 from ..onebit_adam import OneBitAdam
 from ..optim import Birder
 from ..topology import Topology
-from .accelerate import check_really_distributed
+from .accelerate import check_really_distributed, report_skipped_step
 
 try:
     from transformers import Trainer, TrainerCallback
@@ -192,7 +201,10 @@ class BirderCallback(TrainerCallback):
         hooked = trainer.birder_hook_state
         if args.world_size == 1 or (hooked is not None and hooked.optimizer is opt):
             return
-        # a new optimizer (first train(), or a new trial of hyperparameter_search / model_init): a new hook
+        # a new optimizer (first train(), or a new trial of hyperparameter_search / model_init): a new hook, on the
+        # new DDP model; the previous one's process groups are released first
+        if hooked is not None:
+            hooked.close()
         b = trainer.birder_args
         if trainer.birder_mesh is not None:
             trainer.birder_hook_state = register_birder_fsdp(
@@ -215,6 +227,11 @@ class BirderCallback(TrainerCallback):
         )
         state = trainer.birder_hook_state
         logger.info("%s: %s registered on %r", type(opt).__name__, state.description, state.topology)
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        # the Trainer steps the LR scheduler unless accelerate reports the optimizer step as skipped
+        opt = unwrap_optimizer(self.trainer.optimizer)
+        report_skipped_step(self.trainer.optimizer, getattr(opt, "step_was_skipped", False))
 
 
 class ShardedTrainerMixin:
@@ -335,15 +352,14 @@ class BirderTrainerMixin(ShardedTrainerMixin):
         birder_args = birder_args if birder_args is not None else BirderArguments()
         if birder_args.optimizer not in OPTIMIZERS:
             raise ValueError(f"BirderArguments.optimizer={birder_args.optimizer!r}; choose birder or onebitadam.")
+        _check_supported_setup(
+            kwargs["args"] if "args" in kwargs else (args[1] if len(args) > 1 else None), birder_args
+        )
         super().__init__(*args, **kwargs)
         self.birder_args = birder_args
         self.birder_hook_state: HookState | None = None
         self._birder_resume_dir: str | None = None
-        if self.args.fp16:
-            raise ValueError(
-                "Birder does not support fp16 with loss scaling (a scaled, skipped step would corrupt m and b); "
-                "use --bf16 instead."
-            )
+        _check_supported_setup(self.args, birder_args, self)
         if self.args.max_grad_norm and self.args.max_grad_norm > 0:
             logger.warning(
                 "Birder: max_grad_norm=%s set to 0. After the 1-bit hook, .grad holds the direction d in [-1, 1] "
@@ -370,7 +386,8 @@ class BirderTrainerMixin(ShardedTrainerMixin):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
-        # every rank's own Birder state, inside the checkpoint step: before trainer_state.json marks the checkpoint
+        # every rank's own Birder state, into the folder the Trainer saves this checkpoint to (a trial's
+        # run-*/checkpoint-N included), inside the checkpoint step: before trainer_state.json marks the checkpoint
         # complete and before old checkpoints are rotated away (a failure here keeps the previous checkpoint)
         save_rank_state(self.optimizer, output_dir, rank=self.args.process_index, world_size=self.args.world_size)
 
@@ -406,6 +423,11 @@ class BirderTrainerMixin(ShardedTrainerMixin):
         self._birder_resume_dir = resume_from_checkpoint or None
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
+    def _get_grad_norm(self, model, grad_norm=None):
+        # after the hook .grad holds d, whose norm says nothing about the gradient, and with fp16 the Trainer's
+        # norm would un-scale .grad (GradScaler.unscale_); log no norm
+        return grad_norm
+
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         state = self.birder_hook_state
         if state is not None and "loss" in logs and state.steps_communicated:
@@ -416,24 +438,60 @@ class BirderTrainerMixin(ShardedTrainerMixin):
                 logs[prefix + "compressed_steps"] = state.compressed_steps
         super().log(logs, *args, **kwargs)
 
-    def create_model_card(self, *args, **kwargs) -> None:
+    def create_model_card(self, *args, metrics: dict[str, float] | None = None, **kwargs) -> None:
+        """The Trainer's model card, corrected for Birder (also what ``push_to_hub(**kwargs)`` writes).
+
+        It names the optimizer that was used with its configured values and lists its settings, says "trained from
+        scratch" for a randomly initialized model (the Trainer links an empty base model), names a local
+        ``finetuned_from`` as a local checkpoint (the Trainer links ``huggingface.co/<local path>``), and puts
+        ``metrics`` measured outside the Trainer (e.g. ``{"exact_match": 57.1, "f1": 57.3}``) into ``model-index``
+        for the ``tasks`` and ``dataset`` given.
+        """
         super().create_model_card(*args, **kwargs)
         if not self.is_world_process_zero():
             return
         path = os.path.join(self.args.output_dir, "README.md")
         if not os.path.exists(path):
             return
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
         opt = unwrap_optimizer(self.optimizer)
         communication = self.birder_args.communication()
-        line = f"- optimizer: {optimizer_description(opt, communication)}"
-        lines = [line if ln.startswith("- optimizer:") else ln for ln in lines]
-        if line not in lines:
-            lines.append(line)
-        text = "\n".join(lines) + "\n\n" + model_card_section(opt, communication)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(text)
+        base = kwargs.get("finetuned_from") or getattr(getattr(self.model, "config", None), "_name_or_path", "") or ""
+        fix_trainer_card(
+            path,
+            optimizer_line=f"- optimizer: {optimizer_description(opt, communication)}",
+            section=model_card_section(opt, communication),
+            base_model=base,
+            metrics=metrics,
+            task=kwargs.get("tasks"),
+            dataset=kwargs.get("dataset"),
+        )
+
+
+def _check_supported_setup(args, b: BirderArguments, trainer=None) -> None:
+    """Refuse, at construction, the Trainer set-ups Birder cannot train correctly (``args``: the TrainingArguments;
+    ``trainer``: once built, for what accelerate's config enabled)."""
+    if args is None:
+        return
+    if args.fp16 and b.optimizer == "onebitadam":
+        raise ValueError(
+            "1-bit Adam cannot train with fp16 loss scaling: its hook encodes the scaled gradients, and Adam's step "
+            "depends on their scale. Use --bf16 (Birder itself trains with --fp16)."
+        )
+    sharded = [
+        name
+        for name, on in (
+            ("FSDP", bool(getattr(args, "fsdp", None)) or getattr(trainer, "is_fsdp_enabled", False)),
+            ("DeepSpeed", bool(getattr(args, "deepspeed", None)) or getattr(trainer, "is_deepspeed_enabled", False)),
+        )
+        if on
+    ]
+    if sharded:
+        raise ValueError(
+            f"BirderTrainer does not train with the Trainer's own {' or '.join(sharded)}: their gradient reduction "
+            "bypasses the 1-bit hook. Drop --fsdp/--deepspeed (and the accelerate config's FSDP/DeepSpeed plugin); for "
+            "sharded training use BirderArguments(sharding='hsdp') (--sharding hsdp): FSDP2 inside each node, Birder's "
+            "1-bit all-reduce across nodes."
+        )
 
 
 class BirderTrainer(BirderTrainerMixin, Trainer):
