@@ -82,7 +82,7 @@ RECIPE_DEFAULTS = {
     "warmup_steps": 0,
     "lr_scheduler_type": "linear",
     "logging_steps": 25,
-    "save_strategy": "no",
+    "save_strategy": "no",  # --save_steps N alone switches it to "steps"
     "report_to": "none",
     "seed": 42,
     "ddp_find_unused_parameters": False,
@@ -121,6 +121,9 @@ class DataArguments:
             raise ValueError("Give --dataset_name or --train_file/--validation_file, not both.")
         if bool(self.train_file) != bool(self.validation_file):
             raise ValueError("--train_file and --validation_file go together.")
+        for flag, path in (("--train_file", self.train_file), ("--validation_file", self.validation_file)):
+            if path and not os.path.isfile(path):
+                raise ValueError(f"{flag} {path} is not a file (SQuAD v1.1-format JSON).")
         if self.doc_stride >= self.max_seq_length:
             raise ValueError("--doc_stride must be smaller than --max_seq_length.")
 
@@ -152,7 +155,11 @@ def parse_args(argv=None):
     if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
         loader = parser.parse_json_file if argv[0].endswith(".json") else parser.parse_yaml_file
         return loader(os.path.abspath(argv[0]))
-    parser.set_defaults(**RECIPE_DEFAULTS, **({} if torch.cuda.is_available() else {"use_cpu": True}))
+    defaults = dict(RECIPE_DEFAULTS, **({} if torch.cuda.is_available() else {"use_cpu": True}))
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    if "--save_steps" in given and "--save_strategy" not in given:
+        defaults["save_strategy"] = "steps"  # asking for checkpoints every N steps gets them (the default is "no")
+    parser.set_defaults(**defaults)
     return parser.parse_args_into_dataclasses(args=argv)
 
 
@@ -269,10 +276,12 @@ def train(model_args, data_args, opt_args, training_args):
         with open(os.path.join(training_args.output_dir, "eval_predictions.json"), "w") as f:
             json.dump(predictions, f, indent=1)
     kwargs = dict(
-        finetuned_from=model_args.model_name_or_path,
+        finetuned_from=model_args.model_name_or_path,  # None: trained from scratch
         tasks="question-answering",
         dataset=data_args.dataset_name or "embedded synthetic SQuAD",
     )
+    if isinstance(trainer, BirderTrainer):  # Birder: EM/F1 into the card's model-index
+        kwargs["metrics"] = {"exact_match": metrics["eval_exact_match"], "f1": metrics["eval_f1"]}
     if training_args.push_to_hub:
         trainer.push_to_hub(**kwargs)
     else:

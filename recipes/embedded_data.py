@@ -306,23 +306,33 @@ def load_squad_json(path: str | os.PathLike):
             "answers": {"text": List(Value("string")), "answer_start": List(Value("int32"))},
         }
     )
+    fmt = 'SQuAD v1.1 format: {"data": [{"title": ..., "paragraphs": [{"context": ..., "qas": [...]}]}]}'
     with open(path, encoding="utf-8") as f:
-        squad = json.load(f)
+        try:
+            squad = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not valid JSON ({exc}); the dataset files need {fmt}.") from exc
+    if not isinstance(squad, dict) or not isinstance(squad.get("data"), list):
+        raise ValueError(f"{path} has no 'data' list; the dataset files need {fmt}.")
     columns: dict[str, list] = {name: [] for name in features}
-    for article in squad["data"]:
-        title = article.get("title", "")
-        for paragraph in article["paragraphs"]:
-            for qa in paragraph["qas"]:
-                columns["id"].append(qa["id"])
-                columns["title"].append(title)
-                columns["context"].append(paragraph["context"])
-                columns["question"].append(qa["question"])
-                columns["answers"].append(
-                    {
-                        "text": [a["text"] for a in qa["answers"]],
-                        "answer_start": [a["answer_start"] for a in qa["answers"]],
-                    }
-                )
+    try:
+        for article in squad["data"]:
+            title = article.get("title", "")
+            for paragraph in article["paragraphs"]:
+                for qa in paragraph["qas"]:
+                    columns["id"].append(qa["id"])
+                    columns["title"].append(title)
+                    columns["context"].append(paragraph["context"])
+                    columns["question"].append(qa["question"])
+                    columns["answers"].append(
+                        {
+                            "text": [a["text"] for a in qa["answers"]],
+                            "answer_start": [a["answer_start"] for a in qa["answers"]],
+                        }
+                    )
+    except (KeyError, TypeError, AttributeError) as exc:
+        where = f"question {len(columns['id'])}" if columns["id"] else "its first article"
+        raise ValueError(f"{path}: {where} does not follow {fmt} ({type(exc).__name__}: {exc}).") from exc
     return Dataset.from_dict(columns, features=features)
 
 

@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from embedded_data import write_digits_image_folder  # noqa: E402
 
 from birder_hf import Birder, OneBitAdam, Topology  # noqa: E402
+from birder_hf.collectives import check_settings  # noqa: E402
 from birder_hf.integrations.accelerate import check_really_distributed, register_birder_hook  # noqa: E402
 from birder_hf.model_card import model_card_section  # noqa: E402
 
@@ -80,10 +81,27 @@ class Args:
     hub_model_id: str | None = field(default=None, metadata={"help": "Repository for --push_to_hub."})
 
     def __post_init__(self):
+        # everything that can be checked before the first step is checked here: a bad value fails at once
         if self.optimizer not in ("birder", "onebitadam", "sgdm", "adamw"):
             raise ValueError(f"--optimizer must be birder, onebitadam, sgdm or adamw, got {self.optimizer!r}")
         if self.hierarchy:
             self.method = "hierarchical"
+        check_settings(self.method, self.inter_method, self.chunk_numel)  # --method, --inter_method, --chunk_numel
+        for flag, value, low in (
+            ("--epochs", self.epochs, 1),
+            ("--batch_size", self.batch_size, 1),
+            ("--lr_step_epochs", self.lr_step_epochs, 1),
+            ("--logging_steps", self.logging_steps, 1),
+            ("--save_every_epochs", self.save_every_epochs, 0),
+            ("--workers", self.workers, 0),
+        ):
+            if value < low:
+                raise ValueError(f"{flag} must be >= {low}, got {value}.")
+        for flag, value in (("--max_steps", self.max_steps), ("--num_nodes", self.num_nodes)):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be >= 1 (or left out), got {value}.")
+        if self.warmup_epochs < 0:
+            raise ValueError(f"--warmup_epochs must be >= 0, got {self.warmup_epochs}.")
         if self.data_dir is not None and not os.path.isdir(os.path.join(self.data_dir, "train")):
             raise ValueError(f"--data_dir {self.data_dir} needs train/<class>/ and val/<class>/ folders.")
 
@@ -144,6 +162,8 @@ def train(args):
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     check_really_distributed(accelerator.num_processes)  # the accelerate --multi_gpu-on-CPU trap
+    if args.num_nodes and accelerator.num_processes % args.num_nodes:
+        raise ValueError(f"--num_nodes {args.num_nodes} does not divide the {accelerator.num_processes} processes.")
     if not accelerator.is_main_process:
         logging.getLogger().setLevel(logging.WARNING)
     set_seed(args.seed)

@@ -149,3 +149,28 @@ def test_cost_model_comm_bound_and_compute_bound(tmp_path):
     hier = [cost_model.comm_time("birder-hierarchical", 10**8, k, 8, net, a) for k in (2, 8)]
     assert flat[1] / flat[0] > 3 and hier[1] < flat[1] / 4
     assert {"assumptions", "paper_comparison", "calibration"} <= set(result)
+
+
+def test_hsdp_results_are_what_their_runs_say():
+    # docs/results/hsdp_convergence.{json,md}: the summary and the table are computed from the stored runs
+    conv = _load("hsdp_convergence")
+    results = Path(__file__).resolve().parents[1] / "docs" / "results"
+    stored = json.loads((results / "hsdp_convergence.json").read_text())
+    runs = stored["runs"]
+    assert {r["method"] for r in runs} == set(conv.METHODS) and len({r["seed"] for r in runs}) == 3
+    assert conv.summarize(runs) == stored["summary"]
+    assert conv.table_markdown(stored["summary"], stored["settings"]) == (results / "hsdp_convergence.md").read_text()
+    for r in runs:  # every run evaluated along the way and logged its training loss
+        assert r["eval_steps"][-1] == stored["settings"]["steps"] and len(r["train_loss"]) >= 10
+
+
+def test_memory_model_is_the_stored_table():
+    memory = _load("memory")
+    results = Path(__file__).resolve().parents[1] / "docs" / "results"
+    stored = json.loads((results / "memory.json").read_text())
+    assert memory.build(stored["recipe_config"], (2, 2), (4, 8)) == stored
+    # the headline ratios: HSDP-Birder holds 28/L bytes per parameter, native HSDP with AdamW 16/L, DDP-Birder 24
+    big = {r["method"]: r["bytes"] for r in stored["rows"] if r["model"] == "7B"}
+    n = 7 * 10**9
+    assert big["hsdp-birder"]["total_bytes"] == 28 * n // 8 and big["hsdp-adamw"]["total_bytes"] == 16 * n // 8
+    assert big["ddp-birder"]["total_bytes"] == 24 * n

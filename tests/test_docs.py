@@ -120,7 +120,7 @@ def _quoted(token, values):
     return any(math.isclose(v, x, abs_tol=tol) for v in values)
 
 
-UNITS = re.compile(r"\*\*|`|×|(?<=\d) ?(?:s|ms|MB|%)(?!\w)|^(?:F1|top-1) ")
+UNITS = re.compile(r"\*\*|`|×|(?<=\d) ?(?:s|ms|µs|MB|%)(?!\w)|^(?:F1|top-1) ")
 
 
 def _numeric_cells(rows):

@@ -1,9 +1,9 @@
 """Mixed precision and checkpoints on CUDA: fp16 autocast with ``GradScaler("cuda")``, bf16 autocast through
 accelerate, and a per-rank checkpoint written on the GPU that loads on the CPU and back.
 
-fp16 loss scaling is supported in one process, where ``GradScaler`` un-scales ``.grad`` before ``Birder.step()``
-and skips the steps whose gradients overflowed. With the DDP hook it is not (the hook sees the scaled local
-gradient, and ``.grad`` holds ``d`` afterwards); the Trainer integration refuses ``fp16`` for that reason.
+fp16 loss scaling in one process: ``GradScaler`` un-scales ``.grad`` before ``Birder.step()`` and skips the steps
+whose gradients overflowed. Under the DDP hook Birder takes the scaled gradients as they are (``.grad`` holds ``d``);
+that path is tested on CPU ranks with ``GradScaler("cpu")`` (``tests/test_amp.py``), not on CUDA yet.
 """
 
 import pytest

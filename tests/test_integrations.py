@@ -147,16 +147,19 @@ def test_trainer_onebitadam_hook_logs_and_exact_resume_across_the_switch(tmp_pat
     assert last["onebit_adam/compressed_steps"] == 4 and last["onebit_adam/compression_ratio"] > 1
 
 
-def test_trainer_refuses_fp16_and_non_birder_optimizers(tmp_path):
+def test_trainer_refusals_at_construction(tmp_path):
     from transformers import TrainingArguments
 
     from birder_hf.integrations.transformers import BirderArguments, BirderTrainer
 
-    with pytest.raises(ValueError, match="bf16"):
-        BirderTrainer(
-            model=TinyRegressor(),
-            args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True, fp16=True, report_to=[]),
-        )
+    def args(**kw):
+        return TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **kw)
+
+    BirderTrainer(model=TinyRegressor(), args=args(fp16=True))  # Birder trains with fp16 loss scaling
+    with pytest.raises(ValueError, match="1-bit Adam cannot train with fp16.*--bf16"):
+        BirderTrainer(model=TinyRegressor(), args=args(fp16=True), birder_args=BirderArguments(optimizer="onebitadam"))
+    with pytest.raises(ValueError, match="does not support FSDP yet.*issue 15"):  # refused in one process too
+        BirderTrainer(model=TinyRegressor(), args=args(fsdp=True))
     model = TinyRegressor()
     trainer = BirderTrainer(
         model=model,

@@ -142,14 +142,16 @@ def test_refusals_say_how_to_fix():
         BirderDDPStrategy(hierarchy_num_nodes=0)
 
     check = birder_lightning._check_trainer_settings
-    for precision in ("16-mixed", "16-true"):
-        with pytest.raises(ValueError, match="bf16-mixed"):
-            check(precision, None)
     with pytest.raises(ValueError, match="Remove gradient_clip_val"):
         check("32-true", 1.0)
-    for ok in ("32-true", "bf16-mixed", "bf16-true", "64-true"):
+    for ok in ("32-true", "bf16-mixed", "bf16-true", "64-true", "16-mixed", "16-true"):
         check(ok, None)
     check("32-true", 0.0)
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    with pytest.raises(ValueError, match="bf16-mixed"):  # 1-bit Adam's step depends on the loss scale
+        birder_lightning._check_precision("16-mixed", OneBitAdam(params, freeze_step=2))
+    birder_lightning._check_precision("16-mixed", Birder(params))
+    birder_lightning._check_precision("16-true", OneBitAdam(params, freeze_step=2))  # no loss scaling
 
     params = [torch.nn.Parameter(torch.zeros(2))]
     pick = birder_lightning._one_bit_optimizer

@@ -272,3 +272,11 @@ def test_no_amsgrad_buffer_when_off():
     p.grad = torch.ones(5)
     opt.step()
     assert set(opt.state[p]) == {"step", "exp_avg", "exp_avg_abs"}
+
+
+def test_lazy_public_names_are_all_exported():
+    import birder_hf
+
+    assert sorted(birder_hf.__all__) == sorted([*birder_hf._EXPORTS, "__version__"])
+    for name in birder_hf._EXPORTS:
+        assert getattr(birder_hf, name).__name__ == name

@@ -230,6 +230,19 @@ def test_bitkeys_do_not_depend_on_layout():
     assert not torch.equal(k1.quantize_pack(u[:87], 0, 0, 0), k1.quantize_pack(u[:87], 0, 0, 1))
 
 
+def test_bitkeys_segment_offsets_give_a_shard_the_full_parameters_bits():
+    # FSDP shards: parameter 0's elements 21..36 and parameter 1's 0..29, as two segments with counter offsets,
+    # draw exactly the bits those elements get in the full parameters
+    a, b = torch.rand(37) * 2 - 1, torch.rand(50) * 2 - 1
+    full = Q.BitKeys(9, 4, [0, 1], [37, 50])
+    bits = Q.unpack_bits(full.quantize_pack(torch.cat([a, b]), 0, Q.STAGE_WORKER, 1), 87)
+    shard = Q.BitKeys(9, 4, [0, 1], [16, 30], [21, 0])
+    got = Q.unpack_bits(shard.quantize_pack(torch.cat([a[21:], b[:30]]), 0, Q.STAGE_WORKER, 1), 46)
+    assert torch.equal(got, torch.cat([bits[21:37], bits[37:67]]))
+    with pytest.raises(ValueError, match="one segment offset"):
+        Q.BitKeys(9, 4, [0, 1], [16, 30], [21])
+
+
 def test_compiled_codec_is_bitwise_equal_to_eager():
     n = Q._MIN_COMPILED_NUMEL * 2 + 13
     u = torch.rand(n) * 2 - 1

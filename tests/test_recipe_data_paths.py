@@ -77,6 +77,13 @@ def test_bert_recipe_squad_json_files_then_a_local_dataset_and_a_saved_model(tmp
         assert fa.read() == fb.read()  # the saved model's tokenizer, not a newly built one
     assert not os.path.exists(os.path.join(b, "embedded_tokenizer"))
 
+    # the model cards: run 1 trained from scratch, run 2 fine-tuned a local checkpoint (no huggingface.co/<path> link)
+    card_a = open(os.path.join(a, "README.md"), encoding="utf-8").read()
+    card_b = open(os.path.join(b, "README.md"), encoding="utf-8").read()
+    assert "This model was trained from scratch on" in card_a and "huggingface.co/)" not in card_a
+    assert "fine-tuned version of a local checkpoint (`a`)" in card_b
+    assert "huggingface.co/" + str(tmp_path).lstrip("/") not in card_b and "base_model" not in card_b
+
 
 def test_resnet_recipe_reads_an_imagenet_style_data_dir(tmp_path):
     data = embedded_data.write_digits_image_folder(str(tmp_path / "images"), image_size=32)

@@ -1,10 +1,13 @@
 """The recipes end to end, through the real launchers (torchrun, accelerate launch) on CPU processes."""
 
 import json
+import math
 import os
 import socket
 import subprocess
 import sys
+
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -71,8 +74,39 @@ def test_bert_recipe_learns_with_the_hierarchical_hook(tmp_path):
     assert losses[-1] < 0.75 * losses[0], losses
     for name in ("model.safetensors", "config.json", "tokenizer.json", "README.md", "eval_predictions.json"):
         assert os.path.isfile(os.path.join(out, name)), name
-    assert "Trained with Birder" in open(os.path.join(out, "README.md")).read()
     assert "EM " in log and "less" in log  # the summary line with the bytes saved
+    _check_model_card(os.path.join(out, "README.md"), results)
+
+
+def _check_model_card(path, results):
+    """The card a user of the published checkpoint reads: the configured lr (the schedule ends at 0), only Birder's
+    settings, EM/F1 in model-index, and "trained from scratch" (no link to an empty base model)."""
+    import yaml
+
+    text = open(path, encoding="utf-8").read()
+    meta = yaml.safe_load(text.split("---")[1])
+    assert "Trained with Birder" in text and "This model was trained from scratch on" in text
+    assert "- optimizer: Birder (1-bit adaptive" in text and "lr=0.002," in text and "| lr | 0.002 |" in text
+    assert "freeze_step" not in text and "huggingface.co/)" not in text and "base_model" not in meta
+    (index,) = meta["model-index"]
+    scores = {m["type"]: m["value"] for r in index["results"] for m in r["metrics"]}
+    assert scores == {"exact_match": round(results["eval_exact_match"], 4), "f1": round(results["eval_f1"], 4)}
+    assert index["results"][0]["task"]["type"] == "question-answering"
+
+
+def test_bert_recipe_save_steps_alone_writes_checkpoints():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bert_base", os.path.join(ROOT, "recipes", "bert_base.py"))
+    recipe = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("bert_base", recipe)  # its dataclasses look their module up
+    spec.loader.exec_module(sys.modules["bert_base"])
+    recipe = sys.modules["bert_base"]
+    strategy = lambda *argv: recipe.parse_args(list(argv))[-1].save_strategy.value  # noqa: E731
+    assert strategy() == "no"  # the recipe's default: no checkpoints
+    assert strategy("--save_steps", "5") == "steps"  # asked for checkpoints: gets them (was: none)
+    assert strategy("--save_steps=5") == "steps"
+    assert strategy("--save_steps", "5", "--save_strategy", "no") == "no"  # an explicit choice stands
 
 
 def test_bert_recipe_baseline_and_bad_arguments(tmp_path):
@@ -137,3 +171,107 @@ def test_resnet_recipe_through_accelerate_launch(tmp_path):
         "rank_00000-of-00002.pt",
         "rank_00001-of-00002.pt",
     ]
+
+
+LM_TINY = [
+    "--max_files",
+    "40",
+    "--vocab_size",
+    "512",
+    "--block_size",
+    "32",
+    "--max_eval_blocks",
+    "16",
+    "--per_device_train_batch_size",
+    "4",
+    "--warmup_steps",
+    "0",
+    "--learning_rate",  # a few steps must show learning: 2e-3 (the recipe's Birder default, 5e-4, suits 150 steps)
+    "2e-3",
+    "--logging_steps",
+    "2",
+    "--eval_steps",
+    "3",
+]
+
+
+def _memory_model():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("memory", os.path.join(ROOT, "benchmarks", "memory.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _assert_memory_is_the_model(results, method):
+    # what the recipe counted on rank 0 is what benchmarks/memory.py computes for the same model and layout
+    memory = _memory_model()
+    shapes = memory.gpt2_shapes(n_embd=128, n_layer=4, n_head=4, vocab_size=512, n_positions=32)
+    want = memory.per_rank_bytes(method, shapes, 2)
+    for key in ("param_bytes", "grad_bytes", "optimizer_state_bytes", "comm_buffer_bytes"):
+        assert results[f"memory/{key}"] == want[key], (key, results[f"memory/{key}"], want[key])
+
+
+def _weights(folder):
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(folder, "model.safetensors"))
+
+
+def test_causal_lm_recipe_1bit_hsdp_trains_saves_and_resumes_exactly(tmp_path):
+    data = ["--cache_dir", str(tmp_path / "data")]
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    ckpt = ["--save_strategy", "steps", "--save_steps", "3", "--max_steps", "6"]
+    # 2 micro-batches per step: FSDP reduce-scatters (and the hook runs) once per step
+    hsdp = ["--sharding", "hsdp", "--num_nodes", "2", "--gradient_accumulation_steps", "2"]
+    log = _torchrun(4, "recipes/causal_lm.py", *LM_TINY, *hsdp, *ckpt, *data, "--output_dir", straight)
+    results = json.load(open(os.path.join(straight, "all_results.json")))
+    assert results["world_size"] == 4 and results["sharding"] == "hsdp" and results["optimizer"] == "birder"
+    assert "1-bit hierarchical FSDP hook across 2 nodes" in log
+    assert results["comm/topology"].startswith("Topology(2 nodes x 1 rank") and results["comm/intra_node_bytes"] == 0
+    assert results["comm/compression_ratio"] > 30  # against an fp32 all-reduce of the same shard across the nodes
+    # each rank holds half the model (2 ranks per node) and m, b for its half
+    assert results["memory/param_bytes"] < 0.6 * 4 * results["num_parameters"]
+    _assert_memory_is_the_model(results, "hsdp-birder")
+    assert results["eval_loss"] < 0.95 * math.log(512)  # an untrained model predicts ~uniformly over 512 tokens
+    assert sorted(os.listdir(os.path.join(straight, "checkpoint-3", "birder"))) == [
+        f"rank_0000{r}-of-00004.pt" for r in range(4)
+    ]
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "README.md", "data_manifest.json"):
+        assert os.path.isfile(os.path.join(straight, name)), name
+    assert "Trained with Birder" in open(os.path.join(straight, "README.md")).read()
+    assert "validation perplexity" in log
+    # a new launch resumes from step 3 and ends where the uninterrupted run ended, bit for bit
+    resume = ["--resume_from_checkpoint", os.path.join(straight, "checkpoint-3")]
+    _torchrun(4, "recipes/causal_lm.py", *LM_TINY, *hsdp, *ckpt, *data, *resume, "--output_dir", resumed)
+    a, b = _weights(straight), _weights(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_causal_lm_recipe_native_hsdp_baseline_and_bad_arguments(tmp_path):
+    out = str(tmp_path / "adamw")
+    data = ["--cache_dir", str(tmp_path / "data")]
+    hsdp = ["--sharding", "hsdp", "--num_nodes", "2", "--optimizer", "adamw", "--max_steps", "2"]
+    hsdp += ["--gradient_accumulation_steps", "2"]
+    _torchrun(4, "recipes/causal_lm.py", *LM_TINY, *hsdp, *data, "--output_dir", out)
+    results = json.load(open(os.path.join(out, "all_results.json")))
+    assert results["optimizer"] == "adamw" and "comm/compression_ratio" not in results
+    _assert_memory_is_the_model(results, "hsdp-adamw")  # sharded AdamW state, no Birder buffers
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "recipes/causal_lm.py",
+            "--sharding",
+            "hsdp",
+            "--optimizer",
+            "onebitadam",
+            "--output_dir",
+            out,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": ROOT + "/src"},
+    )
+    assert bad.returncode != 0 and "onebitadam runs with DDP only" in bad.stderr

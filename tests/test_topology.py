@@ -184,3 +184,22 @@ def test_harness_reports_tracebacks_and_kills_stragglers(monkeypatch):
         run_distributed(_rank0_fails, 2, timeout=60)
     with pytest.raises(RuntimeError, match=r"ranks \[(0, )?1\] did not finish within 2 s and were killed"):
         run_distributed(_rank1_hangs, 2, timeout=2)
+
+
+def test_from_replicate_dim_holds_this_ranks_replicas_one_per_node():
+    def fn(rank, world):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        t = Topology.from_replicate_dim(init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+        flat = Topology.from_replicate_dim(init_device_mesh("cpu", (4,)))
+        x = torch.tensor([float(rank)])
+        dist.all_reduce(x, group=t.world_group)  # the replicas of this rank's shard: ranks j and j + 2
+        layout = (t.rank, t.world_size, t.num_nodes, t.local_world_size, t.node_rank, t.inter_ranks, t.intra_ranks)
+        return layout, x.item(), (flat.num_nodes, flat.world_size, flat.inter_group)
+
+    res = run_distributed(fn, 4)
+    for rank, (layout, total, flat) in enumerate(res):
+        node, local = divmod(rank, 2)
+        assert layout == (node, 2, 2, 1, node, (local, local + 2), (rank,))
+        assert total == 2 * local + 2  # local + (local + 2)
+        assert flat == (1, 1, None)  # a 1-D mesh: one node, this rank alone, nothing to exchange

@@ -31,12 +31,78 @@ import math
 import numbers
 import warnings
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch.optim.optimizer import Optimizer
 
-__all__ = ["OneBitOptimizer", "Communicator", "GroupGrads", "Update", "all_finite", "state_dtype", "unwrap_optimizer"]
+__all__ = [
+    "OneBitOptimizer",
+    "Communicator",
+    "GroupGrads",
+    "Update",
+    "Setting",
+    "all_finite",
+    "state_dtype",
+    "unwrap_optimizer",
+    "is_sharded",
+    "local_tensor",
+    "shard_offset",
+    "shard_record",
+]
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``DTensor`` (FSDP2's sharded parameters and gradients are)."""
+    return hasattr(t, "placements") and hasattr(t, "to_local")
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` this rank holds: a ``DTensor``'s local shard (a view: writing it writes ``t``), else ``t``."""
+    return t.to_local() if is_sharded(t) else t
+
+
+def shard_offset(p: torch.Tensor) -> int:
+    """The index, in ``p`` flattened, of the first element of this rank's shard (0 for a plain tensor).
+
+    Birder keys a parameter's random bits by that index (``quantize.BitKeys``), so an element draws the same bit
+    whichever rank holds it. Supported layouts: ``Replicate()`` and ``Shard(0)`` (FSDP2's default: rank ``i`` of the
+    ``n`` ranks of a mesh dimension holds rows ``[i c, (i + 1) c)`` with ``c = ceil(rows / n)``), one mesh dimension
+    sharding dim 0 at most; anything else raises ``ValueError``.
+    """
+    if not is_sharded(p):
+        return 0
+    shards = [(i, pl) for i, pl in enumerate(p.placements) if pl.is_shard()]
+    if not shards:
+        return 0
+    if len(shards) > 1 or shards[0][1].dim != 0:
+        raise ValueError(
+            f"Birder supports sharded parameters with one Shard(0) placement (FSDP2's default), got {p.placements} "
+            f"for a parameter of shape {tuple(p.shape)}; drop shard_placement_fn from fully_shard."
+        )
+    mesh_dim = shards[0][0]
+    n, i = p.device_mesh.size(mesh_dim), p.device_mesh.get_local_rank(mesh_dim)
+    rows = p.shape[0]
+    chunk = -(-rows // n)
+    start = min(i * chunk, rows)
+    local = p.to_local()
+    if local.shape[0] != min(chunk, rows - start) or tuple(local.shape[1:]) != tuple(p.shape[1:]):
+        raise ValueError(
+            f"A parameter of shape {tuple(p.shape)} has a local shard of shape {tuple(local.shape)} on rank {i} of "
+            f"{n}, not the rows torch.chunk gives (FSDP2's layout); Birder cannot key its random bits."
+        )
+    return start * (p.numel() // rows if rows else 0)
+
+
+def shard_record(p: torch.Tensor) -> tuple[int, int, int] | None:
+    """``(offset, local numel, full numel)`` of this rank's shard of ``p`` (``None`` for a plain tensor).
+
+    Kept in a sharded parameter's optimizer state (key ``"shard"``) so that a resume can check that each rank holds
+    the same shard its state was built on.
+    """
+    if not is_sharded(p):
+        return None
+    return (shard_offset(p), local_tensor(p).numel(), p.numel())
 
 
 def state_dtype(p: torch.Tensor) -> torch.dtype:
@@ -90,6 +156,14 @@ class Communicator:
         """Called by ``optimizer.step()``: commit and return what to apply, or ``None`` to skip the step everywhere."""
         raise NotImplementedError
 
+    def amp_scaling(self) -> bool:
+        """Whether ``step()`` takes the gradients from ``torch.amp.GradScaler`` without their being un-scaled (see
+        :attr:`OneBitOptimizer._step_supports_amp_scaling`)."""
+        return False
+
+    def check_loss_scaled_step(self) -> None:
+        """Called by ``step()`` when a ``GradScaler`` handed over loss-scaled gradients: raise if they are unusable."""
+
 
 _warned_without_communicator: set[str] = set()
 
@@ -104,17 +178,31 @@ class OneBitOptimizer(Optimizer):
     load rank 0's optimizer state on every rank; their load hook stages this rank's own first).
     """
 
+    # Validation, in one place for every way settings and state come in (the constructor, add_param_group,
+    # load_state_dict): each optimizer lists its settings' rules, and says what its per-parameter state must hold.
+    settings: ClassVar[dict[str, Setting]] = {}
+    # settings a saved param group may lack (written before they existed): filled from the constructor's defaults
+    optional_settings: ClassVar[tuple[str, ...]] = ()
+    # every key a parameter's state may hold
+    state_keys: ClassVar[tuple[str, ...]] = ()
+
     def __init__(self, params, defaults: dict):
+        self.step_was_skipped = False  # whether the last step() skipped (a rank had a non-finite gradient)
         self._communicator: Communicator | None = None
         self._staged_state: dict | None = None
         self._index_cache: dict[torch.Tensor, tuple[int, dict]] | None = None
+        self._check_settings(defaults, "")
         super().__init__(params, defaults)
 
     def __setstate__(self, state):
         super().__setstate__(state)
+        self.__dict__.setdefault("step_was_skipped", False)
         self.__dict__.setdefault("_communicator", None)
         self.__dict__.setdefault("_staged_state", None)
         self.__dict__.setdefault("_index_cache", None)
+        for group in self.param_groups:  # an older state dict may lack a newer setting (torch.optim does the same)
+            for key in self.optional_settings:
+                group.setdefault(key, self.defaults[key])
 
     # ---------------------------------------------------------------------------------- communicator
     @property
@@ -147,12 +235,27 @@ class OneBitOptimizer(Optimizer):
                 f"{name} is running in a distributed job without its communication hook, so DDP averages gradients "
                 "in full precision (32 bits per value) and each rank encodes on its own. Register the 1-bit hook: "
                 "birder_hf.hook.attach_ddp_hook(model, optimizer), birder_hf.integrations.accelerate."
-                "register_birder_hook, or BirderTrainer for the HF Trainer.",
+                "register_birder_hook, or BirderTrainer for the HF Trainer (FSDP2-sharded models: "
+                "birder_hf.fsdp.register_birder_fsdp).",
                 UserWarning,
                 stacklevel=4,
             )
 
     # ------------------------------------------------------------------------------------------- step
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """``torch.amp.GradScaler``'s opt-out: ``True`` makes ``scaler.step`` leave ``.grad`` as it is and call
+        ``step()`` with ``grad_scale``/``found_inf`` attributes set, instead of un-scaling ``.grad`` and skipping
+        ``step()`` on an overflow.
+
+        One process: ``False``, the scaler's usual un-scaling. Under the DDP hook ``.grad`` holds the direction d,
+        which must not be un-scaled (Birder's ``u = m / b`` does not depend on the loss scale, so the hook encodes the
+        scaled gradients as they are): ``True``, except after a non-finite backward, whose NaN direction the scaler
+        then finds (it skips ``step()`` and backs the scale off). With ``process_group=``/``topology=``: ``True``,
+        every rank must call ``step()``, whose all-reduce agrees on skipping.
+        """
+        return self._communicator is not None and self._communicator.amp_scaling()
+
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
         """One optimization step: alone (one process), or applying what the communicator agreed and staged."""
@@ -162,12 +265,17 @@ class OneBitOptimizer(Optimizer):
                 loss = closure()
         if self.communicator is None:
             self._warn_if_distributed_without_communicator()
-            self._step_alone()
+            self.step_was_skipped = self._step_alone()
         else:
-            self._step_communicated(self.communicator.finish_step())
+            if hasattr(self, "found_inf"):  # GradScaler.step left the loss-scaled .grad to us (the opt-out above)
+                self.communicator.check_loss_scaled_step()
+            staged = self.communicator.finish_step()
+            self.step_was_skipped = staged is None
+            self._step_communicated(staged)
         return loss
 
-    def _step_alone(self) -> None:
+    def _step_alone(self) -> bool:
+        """One process: the whole step; returns whether it was skipped (a non-finite gradient)."""
         raise NotImplementedError
 
     def _step_communicated(self, staged) -> None:
@@ -192,6 +300,21 @@ class OneBitOptimizer(Optimizer):
         return None if entry is None else entry[1]
 
     def add_param_group(self, param_group: dict) -> None:
+        """Add a param group, after checking its parameters and settings (nothing is added if one is invalid)."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict with a 'params' entry, got {type(param_group).__name__}.")
+        where = f" in param group {len(self.param_groups)}"
+        params = param_group.get("params")
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        elif isinstance(params, (set, dict)) or params is None:
+            raise TypeError(
+                "params argument given to the optimizer should be an iterable of Tensors or dicts (an ordered one: "
+                f"a list, not a {type(params).__name__}), e.g. model.parameters()."
+            )
+        param_group["params"] = params = list(params)  # a generator is read once
+        self._check_params([x[1] if isinstance(x, tuple) else x for x in params], where)
+        self._check_settings({k: v for k, v in param_group.items() if k != "params"}, where)
         super().add_param_group(param_group)
         self._index_cache = None
 
@@ -213,14 +336,33 @@ class OneBitOptimizer(Optimizer):
                 out.append(GroupGrads(group, params, grads))
         return out
 
+    def check_state_matches(self, params: list[torch.Tensor]) -> None:
+        """Raise (before anything is written) if a parameter no longer matches its state: resized, or moved to another
+        device after the state was made."""
+        for p in params:
+            st = self.state.get(p)
+            if not st:
+                continue
+            m, x = st.get("exp_avg"), local_tensor(p)
+            if m is not None and (m.shape != x.shape or m.device != x.device):
+                raise RuntimeError(
+                    f"A parameter of shape {tuple(p.shape)} on {p.device} has {type(self).__name__} state of shape "
+                    f"{tuple(m.shape)} on {m.device}: the model changed after the optimizer state was made. Move or "
+                    "resize the model before creating the optimizer (or before load_state_dict, which moves state to "
+                    "the parameters)."
+                )
+
     # ------------------------------------------------------------------------------------ state dicts
     def stage_rank_state(self, state_dict: dict) -> None:
         """Make the next :meth:`load_state_dict` load ``state_dict`` (this rank's own) instead of its argument."""
         self._staged_state = state_dict
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Load ``state_dict`` after checking all of it: its param groups' settings, and every parameter's state
+        (keys, shapes, dtypes, finite values, the optimizer's invariants). If anything is wrong, nothing is loaded."""
         if self._staged_state is not None:
             state_dict, self._staged_state = self._staged_state, None
+        self.check_state_dict(state_dict)
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         keep = {}
@@ -232,14 +374,141 @@ class OneBitOptimizer(Optimizer):
         super().load_state_dict(state_dict)
         for (p, key), value in keep.items():
             self.state[p][key] = value.to(device=p.device, dtype=torch.float32)
+        for st in self.state.values():  # torch.optim accepts a plain-number step; keep ours a tensor
+            if "step" in st and not torch.is_tensor(st["step"]):
+                st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
         self._index_cache = None
+
+    # ------------------------------------------------------------------------------------- validation
+    def _check_settings(self, settings: dict, where: str) -> None:
+        """Raise ``ValueError`` for the first setting in ``settings`` that breaks its rule (others are left alone)."""
+        for name, rule in self.settings.items():
+            if name in settings:
+                problem = rule.problem(settings[name])
+                if problem is not None:
+                    label = "learning rate " if name == "lr" else ""
+                    raise ValueError(
+                        f"Invalid {label}{name}={settings[name]!r}{where}: {problem.format(name=name)} "
+                        f"({type(self).__name__})."
+                    )
+
+    def _check_params(self, params: list, where: str) -> None:
+        """Real floating-point parameters, each once (torch only warns about a duplicate: it would step twice)."""
+        name = type(self).__name__
+        for i, p in enumerate(params):
+            if isinstance(p, torch.Tensor) and not p.is_floating_point():
+                fix = (
+                    "optimize it through a real view (torch.view_as_real)"
+                    if p.is_complex()
+                    else "leave integer tensors (buffers, counters) out of the optimizer: pass model.parameters(), "
+                    "not model.state_dict().values()"
+                )
+                raise TypeError(
+                    f"{name} optimizes real floating-point parameters; parameter {i}{where} is {p.dtype} with shape "
+                    f"{tuple(p.shape)}: {fix}."
+                )
+        seen: set[int] = set()
+        for i, p in enumerate(params):
+            if id(p) in seen:
+                raise ValueError(
+                    f"Parameter {i}{where} (shape {tuple(p.shape)}) appears twice in the group; {name} would step it "
+                    "twice per step(). Pass each parameter once (e.g. list(dict.fromkeys(params)))."
+                )
+            seen.add(id(p))
+
+    def _state_problem(self, p: torch.Tensor, state: dict, group: dict) -> str | None:
+        """What is wrong with ``state``, one parameter's saved state (``group``: its saved settings), or ``None``."""
+        return None
+
+    def check_state_dict(self, state_dict) -> None:
+        """Raise what :meth:`load_state_dict` would raise for ``state_dict``, changing nothing."""
+        name = type(self).__name__
+        if (
+            not isinstance(state_dict, dict)
+            or not isinstance(state_dict.get("state"), dict)
+            or not isinstance(state_dict.get("param_groups"), list)
+        ):
+            raise TypeError(
+                f"{name}.load_state_dict expects what {name}.state_dict() returns (a dict with 'state' and "
+                f"'param_groups'), got {type(state_dict).__name__}"
+                f"{f' with keys {sorted(map(str, state_dict))}' if isinstance(state_dict, dict) else ''}."
+            )
+        saved_groups, states = state_dict["param_groups"], state_dict["state"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"The state dict being loaded has {len(saved_groups)} param groups, this {name} has "
+                f"{len(self.param_groups)}: build the optimizer with the same param groups as the one that was saved."
+            )
+        foreign = _foreign_optimizer(saved_groups, states, self)
+        for i, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            where = f" in param group {i} of the state dict being loaded"
+            if not isinstance(saved, dict) or not isinstance(saved.get("params"), list):
+                raise ValueError(f"Param group {i} of the state dict being loaded is not a dict with a 'params' list.")
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"Param group {i} of the state dict being loaded has {len(saved['params'])} parameters, this "
+                    f"{name}'s has {len(group['params'])}: load the state of the same model and param groups."
+                )
+            missing = [k for k in self.settings if k not in saved and k not in self.optional_settings]
+            if foreign:
+                raise ValueError(
+                    f"The state dict being loaded looks like the state of {foreign}, not of {name}"
+                    f"{f' (param group {i} lacks {missing})' if missing else ''}. {name} cannot continue from another "
+                    f"optimizer's state: load only the model's weights and let {name} start from zero state."
+                )
+            if missing:
+                raise ValueError(
+                    f"Param group {i} of the state dict being loaded lacks {name}'s settings {missing}: it was not "
+                    f"written by {name}.state_dict(). Load the state dict {name} saved (per rank: "
+                    "birder_hf.checkpoint.load_rank_state)."
+                )
+            self._check_settings(saved, where)
+        saved_ids = [i for g in saved_groups for i in g["params"]]
+        self._check_shards(state_dict, saved_ids, [p for g in self.param_groups for p in g["params"]])
+        for i, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            settings = {**self.defaults, **saved}
+            for j, (saved_id, p) in enumerate(zip(saved["params"], group["params"])):
+                state = states.get(saved_id)
+                if not state:
+                    continue
+                problem = self._state_problem(p, state, settings) if isinstance(state, dict) else "is not a dict"
+                if problem is not None:
+                    raise ValueError(
+                        f"The state of parameter {j} (shape {tuple(p.shape)}) in param group {i} of the state dict "
+                        f"being loaded {problem}; nothing was loaded. Load a state dict that {name}.state_dict() "
+                        "wrote for this model (per rank: birder_hf.checkpoint.load_rank_state)."
+                    )
+
+    def _check_shards(self, state_dict: dict, saved_ids: list, params: list) -> None:
+        # a sharded parameter's m, b cover this rank's shard only: they load onto the same shard or not at all
+        for index, (saved_id, p) in enumerate(zip(saved_ids, params)):
+            saved = state_dict["state"].get(saved_id)
+            if not isinstance(saved, dict) or not torch.is_tensor(saved.get("exp_avg")):
+                continue
+            record = saved.get("shard")
+            record = None if record is None else tuple(int(v) for v in record)
+            if (is_sharded(p) or record is not None) and record != shard_record(p):
+                raise ValueError(
+                    f"{type(self).__name__}.load_state_dict: the state of parameter {index} (shape {tuple(p.shape)}) "
+                    f"was saved for {_describe_shard(record)} on this rank, but this rank now holds "
+                    f"{_describe_shard(shard_record(p))}. Sharded m and b belong to one shard of one node: resume on "
+                    "the same mesh shape (replicate x shard) with the same fully_shard wrapping and rank order. "
+                    "Nothing was loaded."
+                )
+
+
+def _describe_shard(record) -> str:
+    if record is None:
+        return "the whole parameter (not sharded)"
+    offset, numel, full = record
+    return f"elements [{offset}, {offset + numel}) of {full}"
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
     """Whether every element of ``tensors`` is finite (one max-norm per device: inf or NaN exactly when an element is;
     a 2-norm would overflow on finite values)."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for t in tensors:
+    for t in map(local_tensor, tensors):  # a sharded gradient: this rank's shard (no collective)
         if t.numel():
             by_device.setdefault(t.device, []).append(t)
     return all(
@@ -252,3 +521,98 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
 def is_real_number(value) -> bool:
     """A finite real number that is not a bool (``True`` is an ``int`` in Python)."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def is_integer(value) -> bool:
+    """An integer that is not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+class Setting(NamedTuple):
+    """The rule of one setting: ``problem(value)`` is ``None`` for a valid value, else what a valid one looks like
+    (``"{name} must be ..."``)."""
+
+    problem: Callable[[Any], str | None]
+
+
+def _rule(ok: Callable[[Any], bool], expect: str) -> Setting:
+    return Setting(lambda value: None if ok(value) else "{name} must be " + expect)
+
+
+def _lr_problem(value) -> str | None:
+    if isinstance(value, torch.Tensor):  # torch.optim accepts a 1-element Tensor lr (schedulers, compiled steps)
+        if value.numel() != 1:
+            return "Tensor lr must be 1-element"
+        if not value.is_floating_point() or not bool(torch.isfinite(value).all()) or float(value) < 0:
+            return "{name} must be a finite float >= 0 (a 1-element float Tensor here)"
+        return None
+    return None if is_real_number(value) and value >= 0 else "{name} must be a finite float >= 0 (e.g. 1e-3)"
+
+
+LR = Setting(_lr_problem)
+NON_NEGATIVE = _rule(lambda v: is_real_number(v) and v >= 0, "a finite float >= 0")
+UNIT_INTERVAL = _rule(lambda v: is_real_number(v) and 0 <= v < 1, "a float in [0, 1)")
+FLAG = _rule(lambda v: isinstance(v, bool), "True or False")
+OPTIONAL_FLAG = _rule(lambda v: v is None or isinstance(v, bool), "None, True or False")
+INTEGER = _rule(is_integer, "an int")
+
+
+def choice(options: tuple) -> Setting:
+    """One of ``options``."""
+    return _rule(lambda v: isinstance(v, str) and v in options, f"one of {', '.join(map(repr, options))}")
+
+
+def tensor_problem(state: dict, key: str, shape) -> str | None:
+    """What is wrong with ``state[key]`` as a floating-point, finite state tensor of ``shape``, or ``None``."""
+    value = state[key]
+    if not isinstance(value, torch.Tensor):
+        return f"has {key} of type {type(value).__name__}, not a tensor"
+    if shape is not None and tuple(value.shape) != tuple(shape):
+        return f"has {key} of shape {tuple(value.shape)} (a state dict of another model or parameter order?)"
+    if not value.is_floating_point():
+        return f"has {key} of dtype {value.dtype}, not a real floating-point one"
+    if value.numel() and not bool(torch.isfinite(value).all()):
+        return f"has NaN or inf in {key}"
+    return None
+
+
+def step_problem(step) -> str | None:
+    """What is wrong with a saved ``step`` count (a tensor of one element or a number), or ``None``."""
+    if isinstance(step, torch.Tensor):
+        if step.numel() != 1 or step.is_complex():
+            return f"has a step of shape {tuple(step.shape)}, not one number"
+        step = step.item()
+    if not is_real_number(step) or step < 0 or step != int(step):
+        return f"has step={step!r}, not a whole number >= 0"
+    return None
+
+
+# per-parameter state keys that name the torch.optim optimizer that wrote them
+_FOREIGN_STATE = {
+    "exp_avg_sq": "torch.optim.Adam/AdamW",
+    "max_exp_avg_sq": "torch.optim.Adam/AdamW",
+    "momentum_buffer": "torch.optim.SGD",
+    "square_avg": "torch.optim.RMSprop/Adadelta",
+    "sum": "torch.optim.Adagrad",
+    "exp_inf": "torch.optim.Adamax",
+    "mu_product": "torch.optim.NAdam",
+}
+_TORCH_FLAGS = {"capturable", "fused", "differentiable", "decoupled_weight_decay", "nesterov", "dampening"}
+
+
+def _foreign_optimizer(saved_groups: list, states: dict, opt: OneBitOptimizer) -> str | None:
+    """The optimizer that wrote a state dict, when its keys say it is not ``opt``'s kind (``None``: no sign of it)."""
+    for state in states.values():
+        for key in state if isinstance(state, dict) else ():
+            if key in _FOREIGN_STATE and key not in opt.state_keys:
+                return _FOREIGN_STATE[key]
+    for group in saved_groups:
+        if isinstance(group, dict) and _TORCH_FLAGS & (set(group) - set(opt.settings)):
+            return (
+                "torch.optim.Adam/AdamW"
+                if "betas" in group
+                else "torch.optim.SGD"
+                if "momentum" in group
+                else ("a torch.optim optimizer")
+            )
+    return None

@@ -22,8 +22,11 @@ layout is an error, never a silent reset.
 
 from __future__ import annotations
 
+import errno
+import numbers
 import os
 import re
+import shutil
 import tempfile
 import warnings
 
@@ -33,7 +36,15 @@ from .base import OneBitOptimizer, unwrap_optimizer
 
 RankLocalState = OneBitOptimizer  # deprecated alias: the rank-local state handling moved to birder_hf.base
 
-__all__ = ["save_rank_state", "load_rank_state", "read_rank_state", "rank_state_path", "SUBDIR"]
+__all__ = [
+    "save_rank_state",
+    "load_rank_state",
+    "read_rank_state",
+    "read_own_rank_state",
+    "rank_state_path",
+    "disk_full_error",
+    "SUBDIR",
+]
 
 SUBDIR = "birder"
 _FORMAT = 1
@@ -47,7 +58,26 @@ def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]
         on = dist.is_available() and dist.is_initialized()
         rank = (dist.get_rank() if on else 0) if rank is None else rank
         world_size = (dist.get_world_size() if on else 1) if world_size is None else world_size
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"Invalid {name}={value!r}: {name} must be an int.")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(
+            f"Invalid rank={rank!r} with world_size={world_size!r}: a rank lies in [0, world_size) (world_size >= 1). "
+            "Pass this process's rank and the number of processes (accelerator.process_index / num_processes, "
+            "args.process_index / world_size), or leave both None to take them from torch.distributed."
+        )
     return int(rank), int(world_size)
+
+
+def _one_bit(optimizer, where: str) -> OneBitOptimizer:
+    opt = unwrap_optimizer(optimizer)
+    if not isinstance(opt, OneBitOptimizer):
+        raise TypeError(
+            f"{where} takes a birder_hf Birder or OneBitAdam optimizer (or a framework's wrapper of one), got "
+            f"{type(opt).__name__}{' (a model? pass the optimizer)' if isinstance(opt, torch.nn.Module) else ''}."
+        )
+    return opt
 
 
 def rank_state_path(checkpoint_dir: str, rank: int, world_size: int) -> str:
@@ -55,24 +85,75 @@ def rank_state_path(checkpoint_dir: str, rank: int, world_size: int) -> str:
 
 
 def save_rank_state(optimizer, checkpoint_dir: str, *, rank: int | None = None, world_size: int | None = None) -> str:
-    """Write this rank's optimizer state under ``checkpoint_dir/birder/`` atomically; return the path."""
-    opt = unwrap_optimizer(optimizer)
+    """Write this rank's optimizer state under ``checkpoint_dir/birder/`` atomically; return the path.
+
+    A failed write leaves the previous file of that name as it was. On a full disk the error is an
+    ``OSError(ENOSPC)`` that says so, with the bytes needed and free, and names the file that was kept.
+    """
+    opt = _one_bit(optimizer, "save_rank_state")
     rank, world_size = _rank_and_world(rank, world_size)
     path = rank_state_path(checkpoint_dir, rank, world_size)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
     payload = {"format": _FORMAT, "rank": rank, "world_size": world_size, "optimizer": opt.state_dict()}
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=os.path.dirname(path))
+    tmp = None
     try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=os.path.dirname(path))
         with os.fdopen(fd, "wb") as f:
             torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
+    except BaseException as exc:
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
+        if not isinstance(exc, Exception):  # KeyboardInterrupt: nothing to explain
+            raise
+        kept = f"the previous {path} is unchanged" if os.path.exists(path) else f"nothing was written to {path}"
+        full = disk_full_error(exc, os.path.dirname(path), _nbytes(payload), kept)
+        if full is not None:
+            raise full from exc
+        exc.add_note(f"birder_hf: writing this rank's optimizer state failed; {kept}.")
         raise
     return path
+
+
+def _nbytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 8
+
+
+def disk_full_error(exc: BaseException, folder: str, needed: int | None = None, kept: str = "") -> OSError | None:
+    """An ``OSError(ENOSPC)`` that says the disk holding ``folder`` is full, if that is why writing failed with
+    ``exc`` (its errno, or fewer than ``needed`` bytes free now, 1 MiB if unknown); else ``None``. ``kept`` says
+    what was kept.
+
+    torch's writer loses the errno of a full disk ("unexpected pos 1408 vs 1300"), hence the free-space test.
+    """
+    cause, codes = exc, set()
+    while cause is not None:
+        codes.add(getattr(cause, "errno", None))
+        cause = cause.__cause__ or cause.__context__
+    existing = os.path.abspath(folder)
+    while not os.path.isdir(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)  # the folder itself may not have been made
+    try:
+        free = shutil.disk_usage(existing).free
+    except OSError:
+        return None
+    if not codes & {errno.ENOSPC, errno.EDQUOT} and free >= (needed or 1 << 20):
+        return None
+    need = f"; this write needs about {needed}" if needed else ""
+    kept = f"{kept[:1].upper()}{kept[1:]}. " if kept else ""
+    return OSError(
+        errno.ENOSPC,
+        f"The disk holding {folder} is full ({free} bytes free{need}): {type(exc).__name__}: {exc}. {kept}Free some "
+        "space (or checkpoint to another disk) and save again.",
+    )
 
 
 def _saved_world_size(checkpoint_dir: str) -> int | None:
@@ -124,8 +205,39 @@ def read_rank_state(
     return payload["optimizer"]
 
 
+def read_own_rank_state(optimizer, checkpoint_dir: str, *, rank: int | None = None, world_size: int | None = None):
+    """:func:`read_rank_state`, checked against ``optimizer`` (what its ``load_state_dict`` would refuse), on every
+    rank together: if any rank's file is missing, unreadable or does not fit, every rank raises that rank's error
+    (one all-gather), instead of the others waiting for it in the framework's next collective until the timeout.
+    Returns this rank's state dict; the integrations' load paths use it."""
+    opt = _one_bit(optimizer, "read_own_rank_state")
+    rank, world_size = _rank_and_world(rank, world_size)
+    state, failure = None, None
+    try:
+        state = read_rank_state(checkpoint_dir, rank=rank, world_size=world_size)
+        opt.check_state_dict(state)
+    except Exception as exc:  # reported to every rank below
+        failure = exc
+    import torch.distributed as dist
+
+    if world_size > 1 and dist.is_available() and dist.is_initialized() and dist.get_world_size() == world_size:
+        table: list = [None] * world_size
+        report = None if failure is None else (type(failure).__name__, str(failure))
+        dist.all_gather_object(table, report)
+        first = next(((r, row) for r, row in enumerate(table) if row is not None), None)
+        if first is not None and failure is None:
+            r, (kind, message) = first
+            error = {"FileNotFoundError": FileNotFoundError, "ValueError": ValueError, "TypeError": TypeError}
+            raise error.get(kind, RuntimeError)(f"rank {r} of {world_size} could not load its Birder state: {message}")
+    if failure is not None:
+        raise failure
+    return state
+
+
 def load_rank_state(optimizer, checkpoint_dir: str, *, rank: int | None = None, world_size: int | None = None) -> None:
-    """Load this rank's own optimizer state from ``checkpoint_dir/birder/`` (see the module docstring)."""
-    opt = unwrap_optimizer(optimizer)
-    state = read_rank_state(checkpoint_dir, rank=rank, world_size=world_size)
-    opt.load_state_dict(state)
+    """Load this rank's own optimizer state from ``checkpoint_dir/birder/`` (see the module docstring).
+
+    Collective when ``torch.distributed`` runs ``world_size`` ranks: if one rank's file is missing or corrupt, every
+    rank raises (:func:`read_own_rank_state`)."""
+    opt = _one_bit(optimizer, "load_rank_state")
+    opt.load_state_dict(read_own_rank_state(opt, checkpoint_dir, rank=rank, world_size=world_size))

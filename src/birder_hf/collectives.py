@@ -46,10 +46,13 @@ byte accounting) and :func:`launch_in_order` (calls on one topology run their co
 
 from __future__ import annotations
 
+import atexit
 import math
 import numbers
 import threading
+import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
@@ -68,7 +71,17 @@ from .quantize import (
 )
 from .topology import Topology
 
-__all__ = ["onebit_all_reduce", "CommStats", "expected_bytes", "fp32_allreduce_bytes", "METHODS", "INTER_METHODS"]
+__all__ = [
+    "onebit_all_reduce",
+    "check_agreement",
+    "check_settings",
+    "CommStats",
+    "expected_bytes",
+    "fp32_allreduce_bytes",
+    "wait_for_callbacks",
+    "METHODS",
+    "INTER_METHODS",
+]
 
 METHODS = ("allgather", "scatter_gather", "hierarchical")
 INTER_METHODS = ("allgather", "scatter_gather")
@@ -188,11 +201,23 @@ def expected_bytes(method: str, numel: int, topology, *, inter_method: str = DEF
     return {"intra_node_bytes": intra, "inter_node_bytes": inter, "fp32_allreduce_bytes": fp32}
 
 
-def _check_method(method: str, inter_method: str) -> None:
-    if method not in METHODS:
+def check_settings(method: str, inter_method: str = DEFAULT_INTER_METHOD, chunk_numel: int | None = None) -> None:
+    """Raise ``ValueError`` unless ``method``, ``inter_method`` and ``chunk_numel`` are valid settings of
+    :func:`onebit_all_reduce` (every entry point that takes them calls this, before anything else)."""
+    if not isinstance(method, str) or method not in METHODS:
         raise ValueError(f"unknown method {method!r}; valid methods: {', '.join(METHODS)}")
-    if inter_method not in INTER_METHODS:
+    if not isinstance(inter_method, str) or inter_method not in INTER_METHODS:
         raise ValueError(f"unknown inter_method {inter_method!r}; valid: {', '.join(INTER_METHODS)}")
+    if chunk_numel is not None and not (
+        isinstance(chunk_numel, numbers.Integral) and not isinstance(chunk_numel, bool) and chunk_numel >= 1
+    ):
+        raise ValueError(
+            f"Invalid chunk_numel={chunk_numel!r}: chunk_numel must be None (one round) or an int >= 1, the elements "
+            "per collective round (e.g. 2**24)."
+        )
+
+
+_check_method = check_settings  # the old private name
 
 
 def _check_device(group, device: torch.device) -> None:
@@ -357,12 +382,9 @@ def _queue(topo: Topology) -> _Queue:
         return q
 
 
-def _settled(fut: torch.futures.Future) -> None:
-    fut.wait()  # propagate a failure to the next call in the queue
-
-
 def launch_in_order(topology: Topology, job: Job, *, async_op: bool = True):
     """Run ``job`` after every earlier call on ``topology``; a Future of its result (``async_op``) or the result."""
+    topology._check_open()
     queue = _queue(topology)
     if not async_op:
         with queue.lock:
@@ -372,11 +394,193 @@ def launch_in_order(topology: Topology, job: Job, *, async_op: bool = True):
         tail = queue.tail
         if tail is None or tail.done():
             recv, work = job.start()
-            fut = work.get_future().then(lambda f: (f.wait(), job.finish(recv))[1])
+            fut = then(work.get_future(), lambda f: (f.wait(), job.finish(recv))[1])
         else:
-            fut = tail.then(job.run)
-        queue.tail = fut.then(_settled)  # the queue keeps a marker, not the result
+            fut = then(tail, job.run)  # job.run re-raises a failure of the calls before it
+        queue.tail = fut
     return fut
+
+
+# ------------------------------------------------------------------------------------ agreement across ranks
+# Ranks that call onebit_all_reduce with different sizes or methods would launch collectives that do not match:
+# gloo aborts a rank or returns garbage, NCCL hangs until the process-group timeout. The first call with a new
+# signature therefore exchanges it (one all-gather of a few int64) and every rank raises the same ValueError if
+# they differ; later calls with that signature only look it up in a small per-group cache.
+_SIGNATURE = ("numel", "method", "inter_method", "chunk_numel", "dtype", "num_nodes", "local_world_size")
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_AGREED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # world group -> signatures agreed (LRU)
+_AGREED_LOCK = threading.Lock()
+_AGREED_MAX = 1024  # signatures remembered per group (every rank forgets the same ones: the same call sequence)
+
+
+def _signature(topo: Topology, numel: int, method: str, inter_method: str, step: int, dtype) -> tuple[int, ...]:
+    # step: the elements per round when chunked, 0 for one round
+    return (
+        numel,
+        METHODS.index(method),
+        INTER_METHODS.index(inter_method),
+        step,
+        _DTYPES.index(dtype) if dtype in _DTYPES else -1,
+        topo.num_nodes,
+        topo.local_world_size,
+    )
+
+
+def _claim(topo: Topology, signature: tuple) -> bool:
+    """Whether this call must check ``signature`` with the other ranks: ``True`` on its first use on the topology's
+    world group, which also records it (decided at call time, so every rank decides alike whatever the timing)."""
+    if topo.world_size == 1:
+        return False
+    with _AGREED_LOCK:
+        seen = _AGREED.get(topo.world_group)
+        if seen is None:
+            seen = _AGREED[topo.world_group] = OrderedDict()
+        if signature in seen:
+            seen.move_to_end(signature)
+            return False
+        seen[signature] = None
+        if len(seen) > _AGREED_MAX:
+            seen.popitem(last=False)
+        return True
+
+
+def _agree(topo: Topology, signature: tuple, device: torch.device) -> None:
+    """Exchange ``signature`` with every rank of the topology; all raise the same ``ValueError`` if they differ."""
+    mine = torch.tensor(signature, dtype=torch.int64, device=device)
+    table = torch.empty(topo.world_size * mine.numel(), dtype=torch.int64, device=device)
+    _all_gather(table, mine, group=topo.world_group)
+    rows = table.view(topo.world_size, -1).tolist()
+    if all(row == rows[0] for row in rows):
+        return
+    with _AGREED_LOCK:  # not agreed after all: a later call with it checks again
+        _AGREED.get(topo.world_group, {}).pop(signature, None)
+    names = {1: METHODS, 2: INTER_METHODS, 4: tuple(str(d).replace("torch.", "") for d in _DTYPES)}
+    differ = []
+    for i, field in enumerate(_SIGNATURE):
+        values = [row[i] for row in rows]
+        if len(set(values)) > 1:
+            shown = [names[i][v] if i in names and 0 <= v < len(names[i]) else v for v in values]
+            if i == 3:
+                shown = [v if v else "None" for v in shown]
+            differ.append(f"{field}: " + ", ".join(f"rank {r} {v}" for r, v in enumerate(shown)))
+    raise ValueError(
+        "onebit_all_reduce: the ranks called it with different arguments (" + "; ".join(differ) + "), so their "
+        "collectives would not match (a rank would hang or read garbage); nothing was exchanged. Every rank must pass "
+        "u with the same number of elements and dtype, the same method, inter_method and chunk_numel, and a topology "
+        "of the same layout."
+    )
+
+
+def _effective_step(chunk_numel: int | None, align: int, padded: int) -> int:
+    # elements per round: all of them, or chunk_numel rounded down to whole bytes of every shard (at least one)
+    return padded if chunk_numel is None else max(align, int(chunk_numel) // align * align)
+
+
+def check_agreement(
+    numel: int,
+    *,
+    topology: Topology | None = None,
+    method: str = DEFAULT_METHOD,
+    inter_method: str = DEFAULT_INTER_METHOD,
+    chunk_numel: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> None:
+    """Check now, with every rank of ``topology``, that all will call :func:`onebit_all_reduce` with ``numel``
+    elements of ``dtype`` and the same settings; every rank raises the same ``ValueError`` otherwise.
+
+    :func:`onebit_all_reduce` does this itself on the first call with new arguments; a caller that must not change
+    any state before a failing check (``StepAllReduce``) calls it first. Collective on a new signature (one
+    all-gather of 7 int64 on ``device``); free afterwards (a cache lookup).
+    """
+    check_settings(method, inter_method, chunk_numel)
+    topo = _default_topology() if topology is None else topology
+    if not isinstance(topo, Topology):
+        raise TypeError(f"topology must be a birder_hf.Topology, got {type(topo).__name__}")
+    method = _effective_method(method, topo.local_world_size, topo.num_nodes)
+    align = _alignment(method, topo.world_size, topo.local_world_size, topo.num_nodes, inter_method)
+    padded = -(-numel // align) * align
+    step = _effective_step(chunk_numel, align, padded) if padded and chunk_numel is not None else 0
+    _check_device(topo.world_group, torch.device(device))
+    signature = _signature(topo, numel, method, inter_method, step, dtype)
+    if not _claim(topo, signature):
+        return
+
+    def start(wire):
+        _agree(topo, signature, torch.device(device))
+        return None, DONE
+
+    launch_in_order(topo, Job(Wire(topo, None), start, lambda wire, recv: None), async_op=False)
+
+
+def _default_topology() -> Topology:
+    return Topology.flat(dedicated=False)
+
+
+# ------------------------------------------------------------------------- callbacks on the backend's threads
+# A Python callback given to Future.then runs on a thread of the backend (gloo's workers, NCCL's callback thread),
+# and torch releases it there afterwards, taking the GIL to do so. The thread that waits for the Future wakes up as
+# soon as the callback has produced its value, before that release: a process that then exits can start finalizing
+# the interpreter first, and a backend thread that asks for the GIL during finalization is ended through a noexcept
+# destructor ("terminate called without an active exception": SIGABRT after a finished run). So every callback is
+# counted until torch has released it, and the process waits for the count to reach 0 before it finalizes (atexit)
+# and before a topology's groups are destroyed (Topology.close).
+class _Callback:
+    __slots__ = ("fn", "__weakref__")
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def __call__(self, fut):
+        return self.fn(fut)
+
+
+class _LiveCallbacks:
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.refs: set[weakref.ref] = set()
+        self.exit_wait_registered = False
+
+    def add(self, cb: _Callback) -> None:
+        with self.cond:
+            self.refs.add(weakref.ref(cb, self._released))
+            if not self.exit_wait_registered:
+                atexit.register(wait_for_callbacks, _EXIT_TIMEOUT_S)
+                self.exit_wait_registered = True
+
+    def _released(self, ref: weakref.ref) -> None:  # on the thread that released the callback, holding the GIL
+        with self.cond:
+            self.refs.discard(ref)
+            self.cond.notify_all()
+
+    def wait(self, timeout: float | None) -> bool:
+        with self.cond:  # waiting releases the GIL, so the backend's threads can finish
+            return self.cond.wait_for(lambda: not self.refs, timeout)
+
+
+_LIVE = _LiveCallbacks()
+_EXIT_TIMEOUT_S = 10.0  # a finished run needs milliseconds; a peer that died must not hold up the exit for long
+
+
+def then(fut: torch.futures.Future, fn: Callable) -> torch.futures.Future:
+    """``fut.then(fn)``, with ``fn`` counted until torch has released it on the backend's thread (see above)."""
+    cb = _Callback(fn)
+    _LIVE.add(cb)
+    return fut.then(cb)
+
+
+def wait_for_callbacks(timeout: float | None = None) -> bool:
+    """Wait until every callback that :func:`then` gave to a Future has run and been released (``timeout`` in
+    seconds; ``None``: no limit). Returns ``False`` on timeout, with a warning: a callback still waits for a peer."""
+    if _LIVE.wait(timeout):
+        return True
+    warnings.warn(
+        f"birder_hf: {len(_LIVE.refs)} callback(s) of the 1-bit all-reduce still wait for a collective after "
+        f"{timeout} s (a peer rank failed or has not joined); the process may abort when it exits.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return False
 
 
 # ------------------------------------------------------------------------------------ the 1-bit all-reduce
@@ -530,7 +734,7 @@ def onebit_all_reduce(
             draws a seed from torch's default generator. (``generator=`` is its deprecated old name.)
         async_op (`bool`): return a ``torch.futures.Future`` whose value is ``d`` (usable from a DDP
             communication hook) instead of ``d``.
-        chunk_numel (`int`, *optional*): elements per round, rounded down to a multiple of ``8·n``
+        chunk_numel (`int`, *optional*): elements per round (>= 1), rounded down to a multiple of ``8·n``
             (``8`` for allgather); bounds every receive buffer by about ``n · chunk_numel / 8`` bytes
             (higher => fewer, larger collectives). The result does not depend on it.
         stats (`CommStats`, *optional*): accumulates the bytes this rank sends.
@@ -542,25 +746,31 @@ def onebit_all_reduce(
         `torch.Tensor` (or a Future of it): ``d``, same shape and dtype as ``u``, bitwise identical on
         every rank.
 
+    Raises:
+        ValueError: an invalid setting (before any communication); or, on every rank, ranks that passed different
+            arguments (``u``'s number of elements or dtype, ``method``, ``inter_method``, ``chunk_numel``, the
+            topology's layout): the first call with new arguments exchanges them (one all-gather of 7 int64, see
+            :func:`check_agreement`), later calls with the same ones only look them up. Checked in call order on
+            every rank; a rank that changes its arguments after calls the others repeat is not caught.
+
     Example::
 
         >>> d = onebit_all_reduce(u, topology=Topology.from_layout(2, 2), method="hierarchical", keys=7)
     """
     if generator is not _UNSET:
-        import warnings
-
         warnings.warn(
             "onebit_all_reduce(generator=...) is renamed keys=...; generator= goes away in the next release.",
             FutureWarning,
             stacklevel=2,
         )
         keys = generator
-    _check_method(method, inter_method)
+    check_settings(method, inter_method, chunk_numel)
     if not isinstance(u, torch.Tensor) or not u.is_floating_point():
         raise TypeError(f"u must be a floating-point tensor (fp16/bf16/fp32/fp64), got {getattr(u, 'dtype', u)}")
-    topo = Topology.flat(dedicated=False) if topology is None else topology
+    topo = _default_topology() if topology is None else topology
     if not isinstance(topo, Topology):
         raise TypeError(f"topology must be a birder_hf.Topology, got {type(topo).__name__}")
+    topo._check_open()
     _check_device(topo.world_group, u.device)
     flat, shape = u.detach().reshape(-1), u.shape
     numel, n = flat.numel(), topo.world_size
@@ -574,14 +784,24 @@ def onebit_all_reduce(
             f"{out.numel()} elements of {out.dtype} on {out.device}{'' if out.is_contiguous() else ', non-contiguous'}"
         )
     result, out = out, out.detach().view(-1)
+    align = _alignment(method, n, topo.local_world_size, topo.num_nodes, inter_method)
+    padded = -(-numel // align) * align
+    step = _effective_step(chunk_numel, align, padded) if padded else 0
+    # the first call with these arguments checks that every rank passed the same (then a cache lookup)
+    signature = _signature(topo, numel, method, inter_method, step if chunk_numel is not None else 0, u.dtype)
+    check = _claim(topo, signature)
     if stats is not None:
         stats.calls += 1
         stats.fp32_allreduce_bytes += fp32_allreduce_bytes(numel, n)
+    if not padded and not check:  # nothing to exchange, nothing to check
+        if not async_op:
+            return result
+        fut = torch.futures.Future(devices=[out.device] if out.device.type == "cuda" else None)
+        fut.set_result(result)
+        return fut
 
     # quantize my votes once (so u may change after an async return), as one of an antithetic pair of ranks;
     # padding votes -1 (bit 0)
-    align = _alignment(method, n, topo.local_world_size, topo.num_nodes, inter_method)
-    padded = -(-numel // align) * align
     who, reflect = antithetic(topo.rank)
     if numel:
         packed = keys.quantize_pack(flat, 0, STAGE_WORKER, who, reflect=reflect)
@@ -589,25 +809,22 @@ def onebit_all_reduce(
         packed = flat.new_empty(0, dtype=torch.uint8)
     if packed.numel() * 8 != padded:
         packed = torch.cat([packed, packed.new_zeros(padded // 8 - packed.numel())])
-    if not padded:
-        if not async_op:
-            return result
-        fut = torch.futures.Future(devices=[out.device] if out.device.type == "cuda" else None)
-        fut.set_result(result)
-        return fut
-    step = padded if chunk_numel is None else max(align, int(chunk_numel) // align * align)
-    chunks = [(c0, min(c0 + step, padded)) for c0 in range(0, padded, step)]
+    chunks = [(c0, min(c0 + step, padded)) for c0 in range(0, padded, step)] if padded else []
     plan = _Plan(topo, method, inter_method, keys, packed, out)
 
     def start(wire):
+        if check:
+            _agree(topo, signature, u.device)
+        if not chunks:
+            return None, DONE
         return plan.start(wire, *chunks[0])
 
     def finish(wire, recv):
-        plan.finish(wire, *chunks[0], recv)
-        for c0, c1 in chunks[1:]:
-            more, work = plan.start(wire, c0, c1)
-            work.wait()
-            plan.finish(wire, c0, c1, more)
+        for i, (c0, c1) in enumerate(chunks):
+            if i:
+                recv, work = plan.start(wire, c0, c1)
+                work.wait()
+            plan.finish(wire, c0, c1, recv)
         return result
 
     return launch_in_order(topo, Job(Wire(topo, stats), start, finish), async_op=async_op)

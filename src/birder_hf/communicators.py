@@ -20,8 +20,19 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .base import Communicator, OneBitOptimizer, Update, all_finite
-from .collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, CommStats, _check_method, onebit_all_reduce
+from .base import Communicator, OneBitOptimizer, Update, all_finite, local_tensor, state_dtype
+from .collectives import (
+    DEFAULT_INTER_METHOD,
+    DEFAULT_METHOD,
+    CommStats,
+    Job,
+    Wire,
+    check_agreement,
+    check_settings,
+    launch_in_order,
+    onebit_all_reduce,
+    then,
+)
 from .topology import Topology
 
 __all__ = ["HookState", "StepAllReduce", "agree"]
@@ -48,11 +59,35 @@ class Staged(NamedTuple):
     record: Any
 
 
+class BucketGrad(NamedTuple):
+    """One parameter of a DDP bucket, as the hooks see it (:meth:`HookState._begin_bucket`)."""
+
+    param: torch.Tensor
+    grad: torch.Tensor  # the bucket's view of its gradient, in the order DDP filled it
+    group: dict  # its param group
+    offset: int  # its first element in the bucket
+    in_place: torch.Tensor  # the view DDP reads it back through when the hook returns the bucket itself
+
+
 class HookState(Communicator):
     """Base of the DDP communication hooks' states (see the module docstring).
 
-    Subclasses set ``optimizer_class`` and ``hook_name``, call :meth:`_begin_bucket` in the hook, and consume
-    :meth:`finish_step`'s result in their optimizer's ``step()``.
+    Subclasses set ``optimizer_class`` and ``hook_name``, call :meth:`_begin_bucket` first and :meth:`_end_bucket`
+    last in the hook, and consume :meth:`finish_step`'s result in their optimizer's ``step()``.
+
+    Non-finite gradients: every bucket's gradient is checked; with the last bucket of a backward the ranks agree (one
+    tiny all-reduce) whether any rank had a non-finite value, and if one had, the last bucket's direction is NaN on
+    every rank. ``.grad`` then says what DDP's fp32 all-reduce would say (a NaN on one rank is a NaN on all), which is
+    what ``torch.amp.GradScaler`` looks for; ``step()`` skips everywhere, and ``m``, ``b`` and the parameters stay as
+    they were (the hook staged the new state; only ``step()`` commits it). With ``skip_unused``, the same all-reduce
+    also says which parameters no rank computed a gradient for (4 more bytes per parameter): they are not stepped,
+    as with a gradient of None. Hooks that are not DDP's (FSDP's) agree in ``finish_step`` instead, over
+    ``agree_group``.
+
+    fp16 loss scaling: after the hook ``.grad`` holds the direction, which ``GradScaler`` must not un-scale, so the
+    optimizer opts out of un-scaling (``_step_supports_amp_scaling``) on every valid step. On a non-finite step it
+    does not: the scaler un-scales, finds the NaN, skips ``step()`` (accelerate and the Trainer see a skipped step)
+    and backs the scale off; the next backward drops the staged state.
 
     Attributes:
         stats (`CommStats`): bytes this rank sent, all steps.
@@ -63,16 +98,27 @@ class HookState(Communicator):
 
     optimizer_class: type = OneBitOptimizer
     hook_name = "the hook"
+    loss_scale_invariant = True  # whether the hook may encode loss-scaled gradients (fp16 with a GradScaler)
+    # skip a parameter no rank computed a gradient for, as a gradient of None does (see finish_step)
+    skip_unused: bool = False
+    wrapped_name = "the DDP model"  # what every parameter with a gradient must belong to (error messages)
 
     __slots__ = (
         # settings
         "optimizer",
         "topology",
+        "agree_group",
         "check_finite",
         # per-step buffers
         "_pending",
         "_flags",
         "_step_stats",
+        "_verdict",
+        "_used",  # parameters that got a gradient since the last step (their post-accumulate-grad hook ran)
+        "_watched",  # parameters with that hook, and its handles
+        "_handles",
+        # where each strided parameter's gradient lies in its bucket
+        "_layouts",
         # statistics
         "stats",
         "last_step_stats",
@@ -80,7 +126,7 @@ class HookState(Communicator):
         "skipped_steps",
     )
 
-    def __init__(self, optimizer, topology: Topology | None = None, *, check_finite: bool = True):
+    def __init__(self, optimizer, topology: Topology | None = None, *, check_finite: bool = True, agree_group=None):
         name = type(self).__name__
         if not isinstance(optimizer, self.optimizer_class):
             raise TypeError(
@@ -96,12 +142,77 @@ class HookState(Communicator):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(f"{self.hook_name} needs torch.distributed to be initialized (init_process_group).")
         self.topology = topology if topology is not None else Topology.flat()
+        # the ranks that agree a step is finite: the topology's (DDP), or every rank of the mesh (FSDP, whose
+        # topology spans only this rank's replicas)
+        self.agree_group = self.topology.world_group if agree_group is None else agree_group
         self.check_finite = bool(check_finite)
         self._pending: dict[torch.Tensor, Staged] = {}
         self._flags: list[torch.Tensor] = []
+        # this backward's agreement, summed over the ranks after its last bucket: [non-finite, then with skip_unused:
+        # used, per parameter in the optimizer's order]
+        self._verdict: torch.Tensor | None = None
+        self._layouts: dict[torch.Tensor, tuple] = {}  # param -> (where, filled strided, read back through .grad)
         self.stats, self.last_step_stats, self._step_stats = CommStats(), CommStats(), CommStats()
         self.steps_communicated = self.skipped_steps = 0
+        self._used, self._watched, self._handles = set(), set(), []
+        self._agree_settings(optimizer)
         self.attach(optimizer)
+        if self.skip_unused and self.check_finite:
+            self._watch([p for g in optimizer.param_groups for p in g["params"]])
+
+    def _watch(self, params) -> None:
+        # one Python call per parameter per backward: how a rank knows which parameters it used this step (DDP
+        # hands the hook zeros for an unused one, and with zero_grad(set_to_none=False) its .grad is a zero tensor)
+        for p in params:
+            if p.requires_grad and p not in self._watched:
+                self._watched.add(p)
+                self._handles.append(p.register_post_accumulate_grad_hook(self._used.add))
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._watched = [], set()
+        super().detach()
+
+    def _settings(self, optimizer) -> dict:
+        """What every rank's hook state must share: its own settings, the layout, the optimizer's settings."""
+        out = {"hook": type(self).__name__, "check_finite": self.check_finite}
+        out["layout"] = (self.topology.num_nodes, self.topology.local_world_size)
+        out["parameters"] = [tuple(p.shape) for g in optimizer.param_groups for p in g["params"]]
+        for i, group in enumerate(optimizer.param_groups):
+            for key in optimizer.settings:
+                if key not in ("seed", "foreach"):  # neither changes the result on any rank
+                    value = group[key]
+                    out[f"param group {i} {key}"] = float(value) if isinstance(value, torch.Tensor) else value
+        return out
+
+    def _agree_settings(self, optimizer) -> None:
+        # Collective: one all-gather when the hook state is built, so that ranks set up differently (a method, a
+        # learning rate, check_finite) fail here, together, instead of hanging or drifting apart during training.
+        topo = self.topology
+        if topo.world_size == 1:
+            return
+        mine = self._settings(optimizer)
+        table: list = [None] * topo.world_size
+        dist.all_gather_object(table, mine, group=topo.world_group)
+        keys = list(dict.fromkeys(k for row in table for k in row))
+        differ = [k for k in keys if any(row.get(k) != table[0].get(k) for row in table)]
+        if differ:
+            shown = "; ".join(
+                f"{k}: " + ", ".join(f"rank {r} {row.get(k)!r}" for r, row in enumerate(table)) for k in differ[:4]
+            )
+            raise ValueError(
+                f"{type(self).__name__}: the ranks were set up differently ({shown}). Every rank must build its hook "
+                f"state with the same settings, and its {type(optimizer).__name__} with the same parameters and "
+                "settings (the replicas would drift apart, or the ranks' collectives would not match)."
+            )
+
+    def _abort_bucket(self, params: list[torch.Tensor]) -> None:
+        """Forget what the current bucket staged (its hook failed): the next backward starts clean."""
+        for p in params:
+            self._pending.pop(p, None)
+        if self.check_finite and self._flags:
+            self._flags.pop()  # the bucket's flag: the last one _begin_bucket appended
 
     @property
     def description(self) -> str:
@@ -114,11 +225,30 @@ class HookState(Communicator):
             "birder_hf.checkpoint.save_rank_state and create a new hook state after loading."
         )
 
-    def _begin_bucket(self, bucket) -> list[tuple[torch.Tensor, torch.Tensor, dict]]:
-        """The bucket's ``(parameter, gradient, group)``, checked; counts its fp32 baseline and its finite flag."""
+    def close(self) -> None:
+        """Release what the hook holds, now: wait for its last exchange, drop a step that was not applied, detach from
+        the optimizer and close the topology (its process groups and their threads).
+
+        Call it on every rank after the last ``optimizer.step()`` (the integrations do), before
+        ``destroy_process_group()``; the hook must not run again. Without it, the groups live until the process exits.
+        Statistics stay readable.
+        """
+        if self.topology.closed:
+            return
+        self._close_step()
+        self.detach()
+        self.topology.close()
+
+    # ------------------------------------------------------------------------------------------ buckets
+    def _begin_bucket(self, bucket) -> list[BucketGrad]:
+        """The bucket's parameters with their gradients and groups, checked (:class:`BucketGrad`); counts the bucket's
+        finite flag. Drops the state staged by a backward whose step a ``GradScaler`` skipped."""
+        self.topology._check_open()
+        if self._pending and self._bad_verdict():
+            self._skip()  # a GradScaler skipped step() after the last backward's non-finite verdict
         opt, buffer = self.optimizer, bucket.buffer()
-        items = []
-        for p, g in zip(bucket.parameters(), bucket.gradients()):
+        items, offset = [], 0
+        for p in bucket.parameters():
             group = opt.group_of(p)
             if group is None:
                 raise RuntimeError(
@@ -132,33 +262,154 @@ class HookState(Communicator):
                     "accumulation wrap the micro-batches before the last in model.no_sync() (or use "
                     "accelerator.accumulate)."
                 )
-            items.append((p, g, group))
+            items.append(self._bucket_grad(bucket.index(), buffer, p, group, offset))
+            offset += p.numel()
         if self.check_finite:
-            self._flags.append(_nonfinite_flag(buffer))
+            self._flag_nonfinite(buffer)
+            if self.skip_unused:  # a parameter added since: watched from now on, counted as used this step
+                new = [b.param for b in items if b.param not in self._watched]
+                self._watch(new)
+                self._used.update(new)
+        self._verdict = None
         return items
+
+    def _flag_nonfinite(self, t: torch.Tensor) -> None:
+        """Record (on ``t``'s device, no host sync) whether ``t`` holds a non-finite value; agreed later."""
+        self._flags.append(_nonfinite_flag(t))
+
+    def _local_verdict(self, order: list[torch.Tensor]) -> torch.Tensor:
+        # [this rank saw a non-finite value, then: this rank used it, per parameter of ``order``]
+        if self._flags:
+            bad = torch.stack(self._flags).any().to(torch.float32).reshape(1)
+        else:
+            bad = torch.zeros(1, device=next(iter(self._pending)).device)
+        used = [p in self._used or p not in self._watched for p in order]
+        return torch.cat([bad, torch.tensor(used, dtype=torch.float32).to(bad.device)])
+
+    def _unused_order(self) -> list[torch.Tensor]:
+        # the parameters whose use the ranks agree on: every staged one, in the optimizer's order (the same on
+        # every rank: DDP's buckets hold every parameter)
+        return sorted(self._pending, key=self.optimizer.param_index) if self.skip_unused else []
+
+    def _bad_verdict(self) -> bool:
+        return self._verdict is not None and self._verdict[0].item() != 0
+
+    def _end_bucket(self, bucket, fut: torch.futures.Future) -> torch.futures.Future:
+        """The Future to hand to DDP for ``bucket``: ``fut``, and after the last bucket the ranks' agreement on
+        non-finite gradients (a NaN direction on every rank if any rank had one; see the class docstring)."""
+        if not (self.check_finite and bucket.is_last()):
+            return fut
+        flags = self._local_verdict(self._unused_order())
+        self._verdict = flags  # summed over the ranks in place
+
+        def start(wire):
+            return wire.all_reduce_sum(flags, "world", flags.element_size())
+
+        # queued after the last bucket's exchange (and every other call on the topology)
+        agreed = launch_in_order(self.topology, Job(Wire(self.topology, None), start, lambda wire, recv: recv))
+        both = torch.futures.collect_all([fut, agreed])
+        return then(both, lambda f: _nan_if(*(x.value() for x in f.value())))
+
+    def _bucket_grad(self, bucket_index: int, buffer: torch.Tensor, p: torch.Tensor, group: dict, offset: int):
+        """Where ``p``'s gradient lies in the bucket, and where DDP reads a result the hook writes into the bucket.
+
+        DDP fills a dense parameter's segment in the memory order the parameter had when DDP built its buckets (NHWC
+        for a channels_last conv weight; ``Reducer::initialize_bucket_views``), every other one C-contiguously, while
+        ``GradBucket.gradients()`` views every segment C-contiguously. It reads a result back through views with the
+        parameter's current strides (``populate_bucket_views_out``; a new result tensor always, the bucket itself
+        unless ``gradient_as_bucket_view=True``, where ``.grad`` is the fill view). The two orders differ only for a
+        model converted to channels_last after DDP wrapped it, until DDP rebuilds its buckets (never, with
+        ``find_unused_parameters=True``); DDP's own all-reduce then scrambles such gradients. So for a parameter whose
+        memory order is not C-contiguous, the fill order is read off ``p.grad`` the first time the parameter is seen
+        at this place: it is DDP's fill view under ``gradient_as_bucket_view=True``, and otherwise equal, element for
+        element, to one of the two readings of the bucket (a gradient that reads the same both ways decides nothing
+        and is asked again next step).
+        """
+        plain = buffer[offset : offset + p.numel()].view(p.shape)
+        if p.is_contiguous() or not _is_dense(p):
+            return BucketGrad(p, plain, group, offset, plain)
+        strided = buffer.as_strided(p.shape, p.stride(), buffer.storage_offset() + offset)
+        where = (bucket_index, offset, p.stride())
+        known = self._layouts.get(p)
+        if known is None or known[0] != where:
+            g, decided, fill_strided, through_grad = p.grad, False, True, False
+            if g is not None and g.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
+                decided, fill_strided, through_grad = True, g.stride() == p.stride(), True
+            elif g is not None:
+                same_strided, same_plain = torch.equal(strided, g), torch.equal(plain, g)
+                decided, fill_strided = same_strided != same_plain, same_strided or not same_plain
+            known = (where, fill_strided, through_grad)
+            if decided:
+                self._layouts[p] = known
+        _, fill_strided, through_grad = known
+        fill = strided if fill_strided else plain
+        return BucketGrad(p, fill, group, offset, fill if through_grad else strided)
 
     def _stage(self, p: torch.Tensor, group: dict, record) -> None:
         self._pending[p] = Staged(group, record)
 
-    def finish_step(self) -> dict[torch.Tensor, Staged] | None:
-        """Called by ``optimizer.step()``: agree with every rank that the step is finite, close its statistics and
-        hand over what the hook staged (``None``: a rank had a non-finite gradient and every rank skips)."""
-        pending, flags = self._pending, self._flags
-        self._pending, self._flags = {}, []
+    # --------------------------------------------------------------------------------------------- steps
+    def amp_scaling(self) -> bool:
+        """Whether ``step()`` takes ``.grad`` as it is from ``GradScaler``: yes, unless the last backward was
+        non-finite (then the scaler un-scales, finds the NaN, skips ``step()`` and backs the scale off)."""
+        return not (self._pending and self._bad_verdict())
+
+    def check_loss_scaled_step(self) -> None:
+        """Called by ``step()`` when a ``GradScaler`` left ``.grad`` to the optimizer: refuse what would go wrong."""
+        opt = self.optimizer
+        if not self.loss_scale_invariant:
+            raise RuntimeError(
+                f"{self.hook_name} cannot train with fp16 loss scaling (GradScaler): the hook encodes the scaled "
+                f"gradients, and {type(opt).__name__}'s update depends on their scale. Use bf16 (or fp32)."
+            )
+        if not self.check_finite:
+            raise ValueError(
+                f"{type(self).__name__}(check_finite=False) cannot train with a GradScaler: an overflow would be "
+                "applied instead of skipped and the scale would never back off. Keep check_finite=True."
+            )
+        if getattr(opt, "grad_scale", None) is None:
+            raise RuntimeError(
+                "GradScaler.unscale_ ran before step() (accelerator.clip_grad_norm_ and clip_grad_value_ call it): it "
+                f"divided .grad by the loss scale, but after {self.hook_name} .grad holds the direction d, not a "
+                "gradient. Do not unscale or clip with the 1-bit hook: a step moves a coordinate by at most "
+                "lr * (1 + weight_decay * |x|) by construction."
+            )
+
+    def _close_step(self) -> dict[torch.Tensor, Staged]:
+        # the end of a step, applied or not: hand over what was staged, close the step's statistics
+        pending, self._pending, self._flags = self._pending, {}, []
         step_stats, self._step_stats = self._step_stats, CommStats()
         self.stats += step_stats
         self.last_step_stats = step_stats
-        if self.check_finite and pending:
-            dev = next(iter(pending)).device
-            bad = torch.stack(flags).any().to(torch.float32).reshape(1) if flags else torch.zeros(1, device=dev)
-            if agree(bad, self.topology.world_group).item() != 0.0:
-                self.skipped_steps += 1
-                warnings.warn(
-                    f"{type(self.optimizer).__name__}: a rank had a non-finite gradient; every rank skipped the step.",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
+        return pending
+
+    def _skip(self) -> None:
+        self._close_step()
+        self._verdict = None
+        self.skipped_steps += 1
+        warnings.warn(
+            f"{type(self.optimizer).__name__}: a rank had a non-finite gradient; every rank skipped the step.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+    def finish_step(self) -> dict[torch.Tensor, Staged] | None:
+        """Called by ``optimizer.step()``: hand over what the hook staged, or ``None`` when a rank had a non-finite
+        gradient (every rank skips), and close the step's statistics."""
+        verdict, self._verdict = self._verdict, None
+        unused = []
+        if self.check_finite and self._pending:
+            order = self._unused_order()
+            if verdict is None:  # not through DDP's last bucket (FSDP, or step() mid-backward): agree now
+                verdict = agree(self._local_verdict(order), self.agree_group)
+            agreed = verdict.tolist()
+            if agreed[0] != 0:
+                self._used.clear()
+                self._skip()
                 return None
+            unused = [p for p, used in zip(order, agreed[1:]) if used == 0]
+        self._used.clear()
+        pending = self._close_step()
         unseen = [
             p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None and p not in pending
         ]
@@ -166,12 +417,29 @@ class HookState(Communicator):
             p = unseen[0]
             raise RuntimeError(
                 f"A parameter of shape {tuple(p.shape)} has a gradient but {self.hook_name} did not see it: every "
-                f"parameter {type(self.optimizer).__name__} optimizes must belong to the DDP model the hook is "
-                "registered on."
+                f"parameter {type(self.optimizer).__name__} optimizes must belong to {self.wrapped_name} the hook "
+                "is registered on."
             )
+        for p in unused:  # no rank computed a gradient for it: no step, as for a gradient of None
+            del pending[p]
         if pending:
             self.steps_communicated += 1
         return pending
+
+
+def _nan_if(d: torch.Tensor, verdict: torch.Tensor) -> torch.Tensor:
+    # a rank had a non-finite gradient: d is NaN everywhere, as an fp32 all-reduce would have made it
+    return d.fill_(float("nan")) if verdict[0].item() != 0 else d
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    # its elements fill numel() consecutive slots in some order of the dimensions (no gaps, no overlap)
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 class StepAllReduce(Communicator):
@@ -189,6 +457,10 @@ class StepAllReduce(Communicator):
         method (`str`, *optional*, defaults to `"hierarchical"`): the ``onebit_all_reduce`` method.
         inter_method (`str`, *optional*, defaults to `"allgather"`): hierarchical only.
         chunk_numel (`int`, *optional*): bound on the elements per collective.
+        agree_group (`ProcessGroup`, *optional*): the ranks that agree on skipped steps and used parameters (default:
+            the topology's); sharded parameters need every rank of the mesh (``birder_hf.fsdp`` passes it).
+
+    Sharded parameters (FSDP2's ``DTensor``) are encoded, all-reduced and updated on their local shards.
     """
 
     def __init__(
@@ -199,15 +471,21 @@ class StepAllReduce(Communicator):
         method: str | None = None,
         inter_method: str = DEFAULT_INTER_METHOD,
         chunk_numel: int | None = None,
+        agree_group=None,
     ):
         method = DEFAULT_METHOD if method is None else method
-        _check_method(method, inter_method)
+        check_settings(method, inter_method, chunk_numel)
         if topology is None:
             topology = Topology.flat(process_group)
         elif not isinstance(topology, Topology):
             raise TypeError(f"topology must be a birder_hf.Topology, got {type(topology).__name__}.")
         self.topology, self.method, self.inter_method, self.chunk_numel = topology, method, inter_method, chunk_numel
+        self.agree_group = topology.world_group if agree_group is None else agree_group
         self.stats = CommStats()
+
+    def amp_scaling(self) -> bool:
+        # every rank must call step(): its all-reduce agrees on skipping; u = m / b does not depend on the scale
+        return True
 
     def finish_step(self) -> list[Update] | None:
         opt = self.optimizer
@@ -218,24 +496,36 @@ class StepAllReduce(Communicator):
         flags[0] = 0.0 if all_finite(list(grads.values())) else 1.0
         flags[1:] = torch.tensor([p in grads for p in params], dtype=torch.float32)
         dev = params[0].device if params else torch.device("cpu")
-        flags = agree(flags.to(dev), self.topology.world_group).cpu()
+        flags = agree(flags.to(dev), self.agree_group).cpu()
         if flags[0] != 0:
             warnings.warn(
                 "Birder: a rank had a non-finite gradient; every rank skipped this step.", RuntimeWarning, stacklevel=4
             )
             return None
         used = {p for p, f in zip(params, flags[1:].tolist()) if f}
-        batch, us = [], []
-        for group in opt.param_groups:
-            ps = [p for p in group["params"] if p in used]
-            if not ps:
-                continue
-            gs = [grads[p] if p in grads else torch.zeros_like(p) for p in ps]
-            batch.append((group, ps))
-            us += opt.encode(group, ps, gs)
+        batch = [(g, [p for p in g["params"] if p in used]) for g in opt.param_groups]
+        batch = [(g, ps) for g, ps in batch if ps]
         if not batch:
             return []
         ordered = [p for _, ps in batch for p in ps]
+        # before any state changes: the parameters still match their state, and every rank makes the same call
+        # (one all-gather the first time this set of parameters is used; a cache lookup afterwards)
+        opt.check_state_matches(ordered)
+        dtype = ordered[0].new_empty(0, dtype=state_dtype(ordered[0])).dtype
+        for p in ordered[1:]:
+            dtype = torch.promote_types(dtype, state_dtype(p))
+        check_agreement(
+            sum(local_tensor(p).numel() for p in ordered),
+            topology=self.topology,
+            method=self.method,
+            inter_method=self.inter_method,
+            chunk_numel=self.chunk_numel,
+            dtype=dtype,
+            device=dev,
+        )
+        us = []
+        for group, ps in batch:
+            us += opt.encode(group, ps, [grads[p] if p in grads else torch.zeros_like(local_tensor(p)) for p in ps])
         keys = opt.bit_keys(ordered, [int(opt.state[p]["step"]) for p in ordered])
         flat = torch.cat([u.reshape(-1) for u in us])
         d = onebit_all_reduce(
@@ -252,7 +542,8 @@ class StepAllReduce(Communicator):
         for group, ps in batch:
             ds = []
             for p in ps:
-                ds.append(d[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+                x = local_tensor(p)
+                ds.append(d[offset : offset + x.numel()].view_as(x))
+                offset += x.numel()
             updates.append(Update(group, ps, ds))
         return updates

@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from .base import Update, unwrap_optimizer
-from .collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, _check_method, onebit_all_reduce
-from .communicators import HookState
+from .collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, check_settings, onebit_all_reduce, then
+from .communicators import HookState, _is_dense
 from .onebit_adam import OneBitAdam, OneBitAdamHookState, onebit_adam_hook
 from .optim import Birder, EncodeOut, StateBuffers
 from .topology import Topology
@@ -59,11 +59,18 @@ class BirderHookState(HookState):
             ``"hierarchical"``.
         chunk_numel (`int`, *optional*): bound on the elements per collective (receive buffers).
         check_finite (`bool`, *optional*, defaults to `True`): skip a step on every rank when any rank
-            has a non-finite gradient (costs one tiny all-reduce and a host sync per step).
+            has a non-finite gradient (costs one tiny all-reduce and a host sync per step). The same all-reduce
+            also finds the parameters no rank computed a gradient for (``find_unused_parameters=True``): they are
+            not stepped, as with a gradient of None, also after ``zero_grad(set_to_none=False)`` left a zero
+            tensor in ``.grad`` (one Python call per parameter per backward, 4 more bytes per parameter in that
+            all-reduce). With ``check_finite=False``, use ``zero_grad(set_to_none=True)`` (the default) for that.
+        agree_group (`ProcessGroup`, *optional*): the ranks that agree a step is finite; defaults to the
+            topology's (``birder_hf.fsdp`` passes every rank of the mesh).
     """
 
     optimizer_class = Birder
     hook_name = "birder_hook"
+    skip_unused = True
 
     __slots__ = ("method", "inter_method", "chunk_numel", "_scratch")
 
@@ -76,17 +83,30 @@ class BirderHookState(HookState):
         inter_method: str = DEFAULT_INTER_METHOD,
         chunk_numel: int | None = None,
         check_finite: bool = True,
+        agree_group=None,
     ):
-        _check_method(method, inter_method)
+        check_settings(method, inter_method, chunk_numel)
         if isinstance(optimizer, Birder) and not all(g["quantize"] for g in optimizer.param_groups):
-            raise ValueError("quantize=False is for one process only; the DDP hook always sends 1 bit.")
+            raise ValueError("quantize=False is for one process only; the 1-bit hook always sends 1 bit.")
         self.method, self.inter_method, self.chunk_numel = method, inter_method, chunk_numel
         self._scratch: dict[torch.Tensor, StateBuffers] = {}  # param -> the buffers its next step writes into
-        super().__init__(optimizer, topology, check_finite=check_finite)
+        super().__init__(optimizer, topology, check_finite=check_finite, agree_group=agree_group)
+
+    def _settings(self, optimizer) -> dict:
+        return {
+            **super()._settings(optimizer),
+            "method": self.method,
+            "inter_method": self.inter_method,
+            "chunk_numel": self.chunk_numel,
+        }
 
     @property
     def description(self) -> str:
         return f"1-bit {self.method} hook"
+
+    def buffer_bytes(self) -> int:
+        """Bytes of the buffers kept between steps: the staged ``m``, ``b`` (and max ``b``) of every parameter."""
+        return sum(t.nbytes for bufs in self._scratch.values() for t in bufs if t is not None)
 
     def _buffers(self, p: torch.Tensor, state: dict, amsgrad: bool) -> StateBuffers:
         bufs = self._scratch.get(p)
@@ -103,7 +123,8 @@ class BirderHookState(HookState):
             return None
         opt, updates = self.optimizer, []
         for group in opt.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
+            # not those no rank computed a gradient for (a gradient of None, or found unused by finish_step)
+            params = [p for p in group["params"] if p.grad is not None and p in pending]
             for p in params:  # the committed buffers become the next step's scratch
                 self._scratch[p] = opt.commit_state(p, pending[p].record)
             if params:
@@ -127,17 +148,26 @@ def birder_hook(state: BirderHookState, bucket: dist.GradBucket) -> torch.future
     opt = state.optimizer
     buffer = bucket.buffer()
     items = state._begin_bucket(bucket)
+    try:
+        return _start_bucket(state, opt, bucket, buffer, items)
+    except BaseException:
+        state._abort_bucket([b.param for b in items])  # nothing of this bucket stays staged
+        raise
+
+
+def _start_bucket(state: BirderHookState, opt: Birder, bucket, buffer: torch.Tensor, items: list):
+    # encode the bucket's parameters into scratch buffers (committed in optimizer.step()), start the all-reduce
+    opt.check_state_matches([b.param for b in items])
     u_dtype = torch.float64 if buffer.dtype == torch.float64 else torch.float32
     u_flat = torch.empty(buffer.numel(), dtype=u_dtype, device=buffer.device)
 
     by_group: dict[int, _GroupWork] = {}
     params, steps, offset = [], [], 0
     strided = []  # (offset, shape, strides) of the gradients the bucket holds in another memory order
-    for p, _, group in items:
+    for p, g, group, *_ in items:
         st = opt.init_state(p, group)
-        g = _grad_view(buffer, p, offset)
-        if not g.is_contiguous():
-            strided.append((offset, g.shape, g.stride()))
+        if _is_dense(p) and not p.is_contiguous():  # DDP reads a new result tensor with p's strides
+            strided.append((offset, p.shape, p.stride()))
         work = by_group.setdefault(id(group), _GroupWork(group, [], [], []))
         work.params.append(p)
         work.grads.append(g)
@@ -167,30 +197,9 @@ def birder_hook(state: BirderHookState, bucket: dist.GradBucket) -> torch.future
         stats=state._step_stats,
         out=u_flat,
     )
-    if buffer.dtype == u_dtype and not strided:
-        return fut
-    return fut.then(lambda f: _to_bucket_layout(f.value().to(buffer.dtype), strided))
-
-
-def _is_dense(t: torch.Tensor) -> bool:
-    # its elements fill numel() consecutive slots in some order of the dimensions (no gaps, no overlap)
-    expected = 1
-    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _grad_view(buffer: torch.Tensor, p: torch.Tensor, offset: int) -> torch.Tensor:
-    """``p``'s gradient in the bucket as DDP lays it out: in ``p``'s own memory order when ``p`` is dense (NHWC for
-    a channels_last conv weight), C-contiguous otherwise (torch's ``Reducer::initialize_bucket_views``).
-
-    ``GradBucket.gradients()`` views every segment C-contiguously, which scrambles a channels_last gradient.
-    """
-    if _is_dense(p):
-        return buffer.as_strided(p.shape, p.stride(), buffer.storage_offset() + offset)
-    return buffer[offset : offset + p.numel()].view(p.shape)
+    if buffer.dtype != u_dtype or strided:
+        fut = then(fut, lambda f: _to_bucket_layout(f.value().to(buffer.dtype), strided))
+    return state._end_bucket(bucket, fut)
 
 
 def _to_bucket_layout(d: torch.Tensor, strided: list) -> torch.Tensor:
@@ -238,7 +247,7 @@ def attach_ddp_hook(
     ``model`` may be ``torch.compile``-d; ``optimizer`` may be wrapped (accelerate, Lightning). If DDP refuses
     the hook (one is registered already), the optimizer is left as it was.
     """
-    _check_method(method, inter_method)
+    check_settings(method, inter_method, chunk_numel)
     ddp = unwrap_ddp(model)
     opt = unwrap_optimizer(optimizer)
     if isinstance(opt, OneBitAdam):

@@ -7,11 +7,16 @@ configured one is ``initial_lr``), and only that optimizer's settings.
 
 from __future__ import annotations
 
+import os
+import re
+
+import torch
+
 from .base import unwrap_optimizer
 from .onebit_adam import OneBitAdam
 from .optim import Birder
 
-__all__ = ["optimizer_description", "model_card_section", "CITATION"]
+__all__ = ["optimizer_description", "model_card_section", "fix_trainer_card", "CITATION"]
 
 CITATION = """```bibtex
 @inproceedings{birder2023,
@@ -24,7 +29,8 @@ CITATION = """```bibtex
 
 
 def _configured(group: dict, name: str):
-    return group.get("initial_" + name, group[name])
+    value = group.get("initial_" + name, group[name])
+    return float(f"{value.item():.7g}") if isinstance(value, torch.Tensor) else value  # a Tensor lr, as a number
 
 
 def optimizer_settings(optimizer, communication: dict | None = None) -> dict:
@@ -72,3 +78,63 @@ def model_card_section(optimizer, communication: dict | None = None) -> str:
             "what each method sends per step is in birder-hf's README."
         )
     return f"{title}\n\n{what}\n\n| setting | value |\n|---|---|\n{rows}\n\n{CITATION}\n"
+
+
+def _is_hub_id(name: str) -> bool:
+    # "bert-base-uncased", "user/model": not a path on this machine
+    return bool(re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name)) and not os.path.exists(name) and not name.startswith(".")
+
+
+def fix_trainer_card(
+    path: str,
+    *,
+    optimizer_line: str,
+    section: str,
+    base_model: str = "",
+    metrics: dict[str, float] | None = None,
+    task: str | list[str] | None = None,
+    dataset: str | list[str] | None = None,
+) -> None:
+    """Correct the ``README.md`` that ``transformers.Trainer.create_model_card`` wrote at ``path``.
+
+    - ``- optimizer:`` names the optimizer used (``optimizer_line``; the Trainer names ``args.optim``), and
+      ``section`` (:func:`model_card_section`) is appended;
+    - ``base_model`` empty (a randomly initialized model): "trained from scratch" instead of the Trainer's link to an
+      empty base model; a local path: "a local checkpoint (name)", no ``huggingface.co/<path>`` link, no
+      ``base_model`` metadata (the Hub expects a model id there);
+    - ``metrics`` (measured outside the Trainer, which leaves ``model-index`` results empty): the ``model-index``
+      results for ``task`` and ``dataset``, and a line of the card.
+    """
+    from huggingface_hub import EvalResult, ModelCard
+
+    card = ModelCard.load(path)
+    lines = card.text.splitlines()
+    lines = [optimizer_line if ln.startswith("- optimizer:") else ln for ln in lines]
+    if optimizer_line not in lines:
+        lines.append(optimizer_line)
+    text = "\n".join(lines)
+    link = re.compile(r"This model is a fine-tuned version of \[[^\]]*\]\(https://huggingface\.co/[^)]*\) on")
+    if not base_model:
+        text = link.sub("This model was trained from scratch on", text)
+    elif not _is_hub_id(base_model):
+        name = os.path.basename(os.path.normpath(base_model))
+        text = link.sub(f"This model is a fine-tuned version of a local checkpoint (`{name}`) on", text)
+        card.data.base_model = None
+    task = task[0] if isinstance(task, (list, tuple)) else task
+    dataset = dataset[0] if isinstance(dataset, (list, tuple)) else dataset
+    if metrics:
+        card.data.model_name = card.data.model_name or os.path.basename(os.path.dirname(os.path.abspath(path)))
+        card.data.eval_results = [
+            EvalResult(
+                task_type=task or "other",
+                dataset_type=re.sub(r"[^\w.-]+", "-", dataset or "unknown").strip("-"),
+                dataset_name=dataset or "unknown",
+                metric_type=name,
+                metric_value=round(float(value), 4),
+            )
+            for name, value in metrics.items()
+        ]
+        measured = ", ".join(f"{k} {float(v):.2f}" for k, v in metrics.items())
+        text = re.sub(r"( dataset\.)\n", rf"\1\nIt achieves on the evaluation set: {measured}.\n", text, count=1)
+    card.text = text + "\n\n" + section
+    card.save(path)

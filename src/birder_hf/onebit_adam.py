@@ -15,7 +15,6 @@ Deviations from DeepSpeed (``docs/ONEBIT_ADAM.md``):
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
-import math
 import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -23,7 +22,19 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .base import OneBitOptimizer, state_dtype
+from .base import (
+    FLAG,
+    NON_NEGATIVE,
+    OneBitOptimizer,
+    Setting,
+    _rule,
+    choice,
+    is_integer,
+    is_real_number,
+    state_dtype,
+    step_problem,
+    tensor_problem,
+)
 from .collectives import Job, Wire, fp32_allreduce_bytes, launch_in_order
 from .communicators import HookState
 from .quantize import pack_bits, unpack_bits
@@ -32,6 +43,11 @@ from .topology import Topology
 __all__ = ["OneBitAdam", "OneBitAdamHookState", "onebit_adam_hook", "compress_with_feedback", "shard_layout"]
 
 SCALINGS = ("l2", "l1")
+
+
+def _betas_problem(betas) -> str | None:
+    ok = isinstance(betas, tuple) and len(betas) == 2 and all(is_real_number(b) and 0 <= b < 1 for b in betas)
+    return None if ok else "{name} must be two floats in [0, 1), e.g. (0.9, 0.999)"
 
 
 class OneBitAdam(OneBitOptimizer):
@@ -86,6 +102,21 @@ class OneBitAdam(OneBitOptimizer):
         ...     opt.zero_grad()
     """
 
+    settings = {
+        "lr": _rule(lambda v: is_real_number(v) and v >= 0, "a finite float >= 0"),
+        "betas": Setting(_betas_problem),
+        "eps": NON_NEGATIVE,
+        "weight_decay": NON_NEGATIVE,
+        "freeze_step": _rule(
+            lambda v: is_integer(v) and v >= 1,
+            "an int >= 1: the number of full-precision Adam warm-up steps, after which the variance is frozen (with "
+            "0 it would stay zero); the paper uses about 15-25% of training",
+        ),
+        "bias_correction": FLAG,
+        "scaling": choice(SCALINGS),
+    }
+    state_keys = ("step", "exp_avg", "exp_avg_sq", "worker_error", "server_error", "server_shard")
+
     def __init__(
         self,
         params,
@@ -107,12 +138,35 @@ class OneBitAdam(OneBitOptimizer):
             bias_correction=bool(bias_correction),
             scaling=scaling,
         )
-        _validate(defaults)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults)  # validates every setting and parameter
 
-    def add_param_group(self, param_group: dict) -> None:
-        _validate({k: v for k, v in param_group.items() if k != "params"})
-        super().add_param_group(param_group)
+    def _state_problem(self, p: torch.Tensor, state: dict, group: dict) -> str | None:
+        unknown = sorted(set(state) - set(self.state_keys))
+        if unknown:
+            return f"has keys {unknown} that OneBitAdam's state does not have"
+        missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in state]
+        if missing:
+            return f"lacks {missing}"
+        full = [k for k in ("exp_avg", "exp_avg_sq", "worker_error") if k in state]
+        problem = step_problem(state["step"]) or next(
+            filter(None, (tensor_problem(state, k, p.shape) for k in full)), None
+        )
+        if problem is not None:
+            return problem
+        if not bool((state["exp_avg_sq"] >= 0).all()):
+            return "has a negative exp_avg_sq"
+        if ("server_error" in state) != ("server_shard" in state):
+            return "has only one of server_error and server_shard"
+        if "server_shard" in state:
+            shard = state["server_shard"]
+            if (
+                not (isinstance(shard, (tuple, list)) and len(shard) == 2 and all(map(is_integer, shard)))
+                or not 0 <= shard[0] < shard[1]
+            ):
+                return f"has server_shard={shard!r}, not (rank, world_size)"
+            length = shard_layout(p.numel(), shard[1])[1][shard[0]]
+            return tensor_problem(state, "server_error", (length,))
+        return None
 
     # --------------------------------------------------------------------- protocol for communicators
     def init_state(self, p: torch.Tensor, group: dict | None = None) -> dict:
@@ -155,7 +209,7 @@ class OneBitAdam(OneBitOptimizer):
         return int(self.init_state(p, group)["step"]) >= group["freeze_step"]
 
     # ------------------------------------------------------------------------------------------- step
-    def _step_alone(self) -> None:
+    def _step_alone(self) -> bool:
         for group, params, grads in self.gradients():
             for p, grad in zip(params, grads):
                 st = self.init_state(p, group)
@@ -170,6 +224,7 @@ class OneBitAdam(OneBitOptimizer):
                 st["worker_error"], st["server_error"] = ew.view_as(p), es
                 st["exp_avg"] = _decompress(bits, scale, x.dtype).view_as(p)
                 _adam_update(p, st, group)
+        return False
 
     def _step_communicated(self, staged: dict | None) -> None:
         if staged is None:
@@ -188,33 +243,6 @@ class OneBitAdam(OneBitOptimizer):
                 record.server_error,
             )
             _adam_update(p, st, group)
-
-
-def _validate(d: dict) -> None:
-    def bad(name, why):
-        raise ValueError(f"Invalid {name}: {d[name]!r}; {why}.")
-
-    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    if "lr" in d and not (number(d["lr"]) and d["lr"] >= 0):
-        bad("lr", "lr must be a float >= 0")
-    if "betas" in d:
-        b = d["betas"]
-        if not (isinstance(b, tuple) and len(b) == 2 and all(number(x) and 0 <= x < 1 for x in b)):
-            bad("betas", "betas must be two floats in [0, 1), e.g. (0.9, 0.999)")
-    if "eps" in d and not (number(d["eps"]) and d["eps"] >= 0):
-        bad("eps", "eps must be >= 0")
-    if "weight_decay" in d and not (number(d["weight_decay"]) and d["weight_decay"] >= 0):
-        bad("weight_decay", "weight_decay must be >= 0")
-    if "freeze_step" in d:
-        f = d["freeze_step"]
-        if not isinstance(f, int) or isinstance(f, bool) or f < 1:
-            bad(
-                "freeze_step",
-                "freeze_step must be an int >= 1: the number of full-precision Adam warm-up steps, after which "
-                "the variance is frozen (with 0 it would stay zero); the paper uses about 15-25% of training",
-            )
-    if "scaling" in d and d["scaling"] not in SCALINGS:
-        bad("scaling", f"choose one of {SCALINGS}")
 
 
 def _local_momentum(st: dict, grad: torch.Tensor, group: dict) -> torch.Tensor:
@@ -260,9 +288,11 @@ def shard_layout(numel: int, world_size: int) -> tuple[int, list[int]]:
     return c, [max(0, min(c, numel - r * c)) for r in range(world_size)]
 
 
-def _scales(rows: torch.Tensor, lens: list[int], scaling: str) -> torch.Tensor:
-    # rows (m, c) zero-padded past lens; padding adds nothing to either norm
-    n = torch.tensor(lens, dtype=rows.dtype, device=rows.device)
+def _scales(rows: torch.Tensor, numel: int, scaling: str) -> torch.Tensor:
+    # rows (m, c) hold numel values, zero-padded (padding adds nothing to either norm); row r holds
+    # min(c, numel - r c) of them, counted on the device (a tensor built from a host list is a copy per call)
+    m, c = rows.shape
+    n = (numel - c * torch.arange(m, device=rows.device)).clamp_(0, c).to(rows.dtype)
     if scaling == "l2":
         s = torch.linalg.vector_norm(rows, dim=1) / n.sqrt()
     else:
@@ -285,11 +315,11 @@ def compress_with_feedback(x: torch.Tensor, world_size: int, scaling: str = "l2"
         that ``decompressed + error == x`` up to one rounding.
     """
     numel = x.numel()
-    c, lens = shard_layout(numel, world_size)
+    c, _ = shard_layout(numel, world_size)
     rows = x.new_zeros(world_size * c)
     rows[:numel] = x.reshape(-1)
     rows = rows.view(world_size, c)
-    scales = _scales(rows, lens, scaling)
+    scales = _scales(rows, numel, scaling)
     signs = rows >= 0
     error = rows.sub_(_decompress(signs, scales, rows.dtype)).view(-1)[:numel]
     return signs, scales, error
@@ -334,6 +364,7 @@ class OneBitAdamHookState(HookState):
 
     optimizer_class = OneBitAdam
     hook_name = "onebit_adam_hook"
+    loss_scale_invariant = False  # Adam's step and the compressed momentum's scale follow the gradient's scale
 
     __slots__ = ("warmup_steps", "compressed_steps")
 
@@ -372,11 +403,19 @@ def onebit_adam_hook(state: OneBitAdamHookState, bucket: dist.GradBucket) -> tor
     One all-to-all and one all-gather of ``(c/8 + 4k)`` bytes per peer per bucket (``c`` the elements
     of one shard of the bucket's ``k`` parameters, padded to whole bytes).
     """
+    items = state._begin_bucket(bucket)
+    try:
+        return _start_bucket(state, bucket, bucket.buffer(), items)
+    except BaseException:
+        state._abort_bucket([item.param for item in items])  # nothing of this bucket stays staged
+        raise
+
+
+def _start_bucket(state: OneBitAdamHookState, bucket, buffer: torch.Tensor, items: list):
     opt, topo = state.optimizer, state.topology
     n, rank = topo.world_size, topo.rank
-    buffer = bucket.buffer()
-    items = state._begin_bucket(bucket)
-    phases = {opt.compressing(p, group) for p, _, group in items}
+    opt.check_state_matches([item.param for item in items])
+    phases = {opt.compressing(item.param, item.group) for item in items}
     if len(phases) > 1:
         raise RuntimeError(
             "A DDP bucket holds parameters in both phases (their step counts differ): every parameter of the model "
@@ -387,19 +426,25 @@ def onebit_adam_hook(state: OneBitAdamHookState, bucket: dist.GradBucket) -> tor
     stats.fp32_allreduce_bytes += fp32_allreduce_bytes(buffer.numel(), n)
 
     if not phases or not phases.pop():  # warm-up: average in full precision (allreduce_hook)
-        for p, g, group in items:
-            state._stage(p, group, _Warmup(g))
+        for item in items:
+            state._stage(item.param, item.group, _Warmup(item.grad))
+        moved = [item for item in items if item.grad.stride() != item.in_place.stride()]
 
         def start(wire):
             buffer.div_(n)
             # a ring all-reduce sends 2(n-1)/n of the buffer, split over the peers
             return wire.all_reduce_sum(buffer, "world", 2 * buffer.numel() * buffer.element_size() / n)
 
-        return launch_in_order(topo, Job(Wire(topo, stats), start, lambda wire, recv: recv))
+        def finish(wire, recv):
+            for item in moved:  # DDP reads this parameter back in another order than it filled it in
+                item.in_place.copy_(item.grad.clone())
+            return recv
+
+        return state._end_bucket(bucket, launch_in_order(topo, Job(Wire(topo, stats), start, finish)))
 
     # compressed: worker side, here on the autograd thread
     layout, records, signs_list, scales_list, col = [], [], [], [], 0
-    for p, g, group in items:
+    for p, g, group, _, in_place in items:
         st = opt.init_error_buffers(p, rank, n)
         signs, scales, ew = compress_with_feedback(_local_momentum(st, g, group), n, group["scaling"])
         record = _Compressed(ew.view_as(p))
@@ -407,7 +452,7 @@ def onebit_adam_hook(state: OneBitAdamHookState, bucket: dist.GradBucket) -> tor
         records.append(record)
         signs_list.append(signs)
         scales_list.append(scales)
-        layout.append(_Segment(col, signs.shape[1], g, st["server_error"], group["scaling"], p.shape))
+        layout.append(_Segment(col, signs.shape[1], in_place, st["server_error"], group["scaling"], p.shape))
         col += signs.shape[1]
     nbytes = -(-col // 8)
     bits = torch.zeros(n, 8 * nbytes, dtype=torch.bool, device=buffer.device)
@@ -436,19 +481,18 @@ def onebit_adam_hook(state: OneBitAdamHookState, bucket: dist.GradBucket) -> tor
         for j, (seg, record) in enumerate(zip(layout, records)):
             cols = slice(seg.col, seg.col + seg.width)
             m_bar = _decompress(all_bits[:, cols], all_scales[:, j], seg.server_error.dtype).view(-1)
-            record.m_bar = m_bar[: seg.grad.numel()].view(seg.shape)
-            # the local gradients were consumed above: the bucket now carries m_bar (through the gradient
-            # views, so that a channels_last parameter's .grad gets it in its own layout)
-            seg.grad.copy_(record.m_bar)
+            record.m_bar = m_bar[: seg.out.numel()].view(seg.shape)
+            # the local gradients were consumed above: the bucket now carries m_bar, in the order DDP reads it back
+            seg.out.copy_(record.m_bar)
         return buffer
 
-    return launch_in_order(topo, Job(Wire(topo, stats), start, finish))
+    return state._end_bucket(bucket, launch_in_order(topo, Job(Wire(topo, stats), start, finish)))
 
 
 class _Segment(NamedTuple):
     col: int  # first column of this parameter in the bucket's shard rows
     width: int  # its shard width
-    grad: torch.Tensor  # the bucket's view of its gradient
+    out: torch.Tensor  # the bucket's view that DDP reads this parameter's result from
     server_error: torch.Tensor  # this rank's shard's error buffer
     scaling: str
     shape: torch.Size

@@ -27,7 +27,25 @@ from typing import NamedTuple
 
 import torch
 
-from .base import OneBitOptimizer, Update, all_finite, state_dtype
+from .base import (
+    FLAG,
+    INTEGER,
+    LR,
+    NON_NEGATIVE,
+    OPTIONAL_FLAG,
+    OneBitOptimizer,
+    Update,
+    _rule,
+    all_finite,
+    is_integer,
+    is_real_number,
+    local_tensor,
+    shard_offset,
+    shard_record,
+    state_dtype,
+    step_problem,
+    tensor_problem,
+)
 from .quantize import STAGE_WORKER, BitKeys, quantize_bits
 
 __all__ = ["Birder", "birder", "birder_encode", "birder_apply", "EncodeOut", "StateBuffers"]
@@ -59,7 +77,9 @@ class Birder(OneBitOptimizer):
       encodes and runs the 1-bit all-reduce during backward, DDP writes :math:`d` into ``.grad``, and
       ``step()`` only applies the last line;
     - the optimizer-side all-reduce, with ``process_group=`` or ``topology=`` (loops without DDP, sharded
-      parameters): ``step()`` encodes, all-reduces and applies.
+      parameters): ``step()`` encodes, all-reduces and applies;
+    - for FSDP2-sharded models, :func:`birder_hf.fsdp.register_birder_fsdp` (1-bit HSDP: FSDP inside a node, 1 bit
+      across nodes). Sharded parameters (``DTensor``) keep ``m``, ``b`` for their local shard only.
 
     State: per parameter ``"step"`` (a CPU float32 scalar, as in ``torch.optim``), ``"exp_avg"``
     (:math:`m`), ``"exp_avg_abs"`` (:math:`b`) and, with ``amsgrad``, ``"max_exp_avg_abs"``. ``m`` and
@@ -68,16 +88,18 @@ class Birder(OneBitOptimizer):
     gradients; ``birder_hf.checkpoint`` saves one file per rank.
 
     Edge cases: parameters without ``.grad`` are skipped (no state, step not counted); zero-size
-    parameters are allowed; sparse gradients raise. Coordinates whose gradient has always been 0 have
-    :math:`b = 0`, hence :math:`u = 0`; in one process :math:`d = 0` wherever :math:`u = 0` exactly (unbiased, and
-    torch's convention that all-zero gradients leave parameters where they are: only weight decay moves them).
-    Across ranks, pairs of ranks draw antithetically (``birder_hf.quantize``), so such a coordinate gets
-    :math:`d = 0` from the exact-mean methods with an even number of ranks (and nodes); one that has to send a
-    single bit, or an odd rank out, gives it a fair coin: ``docs/ALGORITHM.md``.
+    parameters are allowed; integer and complex parameters, and a parameter listed twice, are refused at
+    construction; sparse gradients raise. Coordinates whose gradient has always been 0 have :math:`b = 0`, hence
+    :math:`u = 0`; in one process :math:`d = 0` wherever :math:`u = 0` exactly (unbiased, and torch's convention that
+    all-zero gradients leave parameters where they are: only weight decay moves them). Across ranks, pairs of ranks
+    draw antithetically (``birder_hf.quantize``), so such a coordinate gets :math:`d = 0` from the exact-mean methods
+    with an even number of ranks (and nodes); one that has to send a single bit, or an odd rank out, gives it a fair
+    coin: ``docs/ALGORITHM.md``.
 
     Args:
         params (`iterable`): parameters or param groups.
-        lr (`float`, *optional*, defaults to `1e-3`): learning rate :math:`\eta` (>= 0).
+        lr (`float` or `Tensor`, *optional*, defaults to `1e-3`): learning rate :math:`\eta` (>= 0); a
+            1-element Tensor works too (as in ``torch.optim``: a scheduler may change it in place).
         beta (`float`, *optional*, defaults to `0.95`): EMA factor :math:`\beta` in ``[0, 1)``.
         weight_decay (`float`, *optional*, defaults to `0.0`): decoupled weight decay :math:`\lambda` (>= 0).
         quantize (`bool`, *optional*, defaults to `True`): binary randomization; ``False`` uses
@@ -87,6 +109,8 @@ class Birder(OneBitOptimizer):
             default generator (so ``torch.manual_seed`` makes runs repeatable). Saved in ``state_dict``.
         foreach (`bool`, *optional*): use the multi-tensor path (default: on CUDA tensors).
         maximize (`bool`, *optional*, defaults to `False`): maximize the objective.
+        differentiable (`bool`, *optional*, defaults to `False`): ``True`` is refused (random signs have no
+            useful derivative); accepted for ``torch.optim``'s keyword set.
         process_group (`ProcessGroup`, *optional*): run the 1-bit all-reduce in ``step()`` over this group.
         topology (`birder_hf.Topology`, *optional*): as ``process_group``, with a node topology.
         method (`str`, *optional*, defaults to `"hierarchical"`): the ``onebit_all_reduce`` method used with
@@ -100,10 +124,23 @@ class Birder(OneBitOptimizer):
         >>> opt.step()
     """
 
+    settings = {
+        "lr": LR,
+        "beta": _rule(lambda v: is_real_number(v) and 0 <= v < 1, "a float in [0, 1) (the paper uses 0.95)"),
+        "weight_decay": NON_NEGATIVE,
+        "quantize": FLAG,
+        "amsgrad": FLAG,
+        "seed": INTEGER,
+        "foreach": OPTIONAL_FLAG,
+        "maximize": FLAG,
+    }
+    optional_settings = ("foreach", "maximize")
+    state_keys = ("step", "exp_avg", "exp_avg_abs", "max_exp_avg_abs", "shard")
+
     def __init__(
         self,
         params,
-        lr: float = 1e-3,
+        lr: float | torch.Tensor = 1e-3,
         beta: float = 0.95,
         weight_decay: float = 0.0,
         *,
@@ -112,17 +149,17 @@ class Birder(OneBitOptimizer):
         seed: int | None = None,
         foreach: bool | None = None,
         maximize: bool = False,
+        differentiable: bool = False,
         process_group=None,
         topology=None,
         method: str | None = None,
         comm_method: str | None = None,
     ):
-        if not isinstance(lr, (int, float)) or lr < 0.0:
-            raise ValueError(f"Invalid learning rate: {lr!r}; lr must be a float >= 0.")
-        if not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
-            raise ValueError(f"Invalid beta: {beta!r}; beta must lie in [0, 1) (the paper uses 0.95).")
-        if not isinstance(weight_decay, (int, float)) or weight_decay < 0.0:
-            raise ValueError(f"Invalid weight_decay: {weight_decay!r}; weight_decay must be >= 0.")
+        if differentiable is not False:
+            raise ValueError(
+                f"Invalid differentiable={differentiable!r}: Birder does not support differentiable=True (its step "
+                "draws random signs, which have no useful derivative); leave it False."
+            )
         if process_group is not None and topology is not None:
             raise ValueError("Pass process_group= or topology=, not both.")
         if comm_method is not None:
@@ -136,11 +173,11 @@ class Birder(OneBitOptimizer):
             weight_decay=weight_decay,
             quantize=quantize,
             amsgrad=amsgrad,
-            seed=int(seed),
+            seed=int(seed) if is_integer(seed) else seed,  # a numpy int becomes a Python int (weights_only loads)
             foreach=foreach,
             maximize=maximize,
         )
-        super().__init__(params, defaults)
+        super().__init__(params, defaults)  # validates every setting and parameter
         if topology is not None or process_group is not None:
             if not quantize:
                 raise ValueError("quantize=False sends full-precision u and is for one process only; drop it.")
@@ -153,29 +190,26 @@ class Birder(OneBitOptimizer):
                 "the DDP hook, give method= to BirderHookState instead)."
             )
 
-    def add_param_group(self, param_group: dict) -> None:
-        for name, check in (
-            ("lr", lambda v: v >= 0),
-            ("beta", lambda v: 0 <= v < 1),
-            ("weight_decay", lambda v: v >= 0),
-        ):
-            if name in param_group and not check(param_group[name]):
-                raise ValueError(f"Invalid {name} {param_group[name]!r} in a param group")
-        super().add_param_group(param_group)
-
     @property
     def seed(self) -> int:
         return int(self.param_groups[0]["seed"])
 
     # --------------------------------------------------------------------- protocol for communicators
     def init_state(self, p: torch.Tensor, group: dict) -> dict:
-        """The state of ``p`` (created on first use: zero ``m``, ``b`` at least float32, ``step`` 0)."""
+        """The state of ``p`` (created on first use: zero ``m``, ``b`` at least float32, ``step`` 0).
+
+        A sharded parameter (FSDP2's ``DTensor``) gets plain tensors of its local shard's shape, and ``"shard"``:
+        ``(offset, local numel, full numel)``, which a resume checks (``birder_hf.base.shard_record``).
+        """
         state = self.state[p]
         if len(state) == 0:
-            dtype = state_dtype(p)
+            dtype, x = state_dtype(p), local_tensor(p)
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-            state["exp_avg_abs"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            state["exp_avg"] = torch.zeros_like(x, dtype=dtype, memory_format=torch.preserve_format)
+            state["exp_avg_abs"] = torch.zeros_like(x, dtype=dtype, memory_format=torch.preserve_format)
+            record = shard_record(p)
+            if record is not None:
+                state["shard"] = record
         if group["amsgrad"] and "max_exp_avg_abs" not in state:
             state["max_exp_avg_abs"] = state["exp_avg_abs"].clone()
         return state
@@ -187,13 +221,12 @@ class Birder(OneBitOptimizer):
 
         Without ``out``: count a step and update their ``m`` and ``b`` in place. With ``out``: leave the state alone
         and write the new ``m``, ``b`` (and ``u``) into ``out`` (staged: :meth:`commit_state` makes them the state).
+        Callers check every parameter of the step with :meth:`check_state_matches` first. Sharded parameters and
+        gradients (``DTensor``) are encoded on their local shards.
         """
         states = [self.init_state(p, group) for p in params]
-        if out is None:
-            for s in states:
-                s["step"] += 1
-        return birder_encode(
-            grads,
+        us = birder_encode(
+            [local_tensor(g) for g in grads],
             [s["exp_avg"] for s in states],
             [s["exp_avg_abs"] for s in states],
             [s["max_exp_avg_abs"] for s in states] if group["amsgrad"] else None,
@@ -202,6 +235,30 @@ class Birder(OneBitOptimizer):
             foreach=group["foreach"],
             out=out,
         )
+        if out is None:  # counted once the math is done: a failure above leaves every counter as it was
+            for s in states:
+                s["step"] += 1
+        return us
+
+    def _state_problem(self, p: torch.Tensor, state: dict, group: dict) -> str | None:
+        unknown = sorted(set(state) - set(self.state_keys))
+        if unknown:
+            return f"has keys {unknown} that Birder's state does not have"
+        missing = [k for k in ("step", "exp_avg", "exp_avg_abs") if k not in state]
+        if missing:
+            return f"lacks {missing}"
+        tensors = [k for k in ("exp_avg", "exp_avg_abs", "max_exp_avg_abs") if k in state]
+        problem = step_problem(state["step"]) or next(
+            filter(None, (tensor_problem(state, k, local_tensor(p).shape) for k in tensors)), None
+        )
+        if problem is not None:
+            return problem
+        m, b = state["exp_avg"], state["exp_avg_abs"]
+        if not bool((b >= m.abs()).all()):  # holds in floating point for every state Birder writes (monotone rounding)
+            return "breaks |exp_avg| <= exp_avg_abs (then u = m / b would leave [-1, 1])"
+        if "max_exp_avg_abs" in state and not bool((state["max_exp_avg_abs"] >= b).all()):
+            return "breaks exp_avg_abs <= max_exp_avg_abs"
+        return None
 
     def commit_state(self, p: torch.Tensor, staged: StateBuffers) -> StateBuffers:
         """Make ``staged`` (``p``'s new ``m``, ``b``, max ``b``) its state and count the step.
@@ -218,17 +275,36 @@ class Birder(OneBitOptimizer):
         return old
 
     def bit_keys(self, params: list[torch.Tensor], steps: list[int]) -> BitKeys:
-        """The keys of the random bits of ``params`` (flattened one after the other) at ``steps``."""
-        return BitKeys(self.seed, steps, [self.param_index(p) for p in params], [p.numel() for p in params])
+        """The keys of the random bits of ``params`` (flattened one after the other) at ``steps``.
+
+        A sharded parameter contributes its local shard, its counters starting at the shard's offset in the full
+        parameter (``birder_hf.base.shard_offset``): element ``j`` of a parameter draws from counter ``j`` whichever
+        rank holds it, so the bits depend on the shard layout only through who draws them.
+        """
+        locals_ = [local_tensor(p) for p in params]
+        return BitKeys(
+            self.seed,
+            steps,
+            [self.param_index(p) for p in params],
+            [x.numel() for x in locals_],
+            [shard_offset(p) for p in params],
+        )
 
     # ------------------------------------------------------------------------------------------- step
-    def _step_alone(self) -> None:
-        self._step_communicated(self._local_updates())
+    def _step_alone(self) -> bool:
+        updates = self._local_updates()
+        self._step_communicated(updates)
+        return updates is None
 
     def _step_communicated(self, updates: list[Update] | None) -> None:
         # None: a rank had a non-finite gradient, and every rank skips the step
         for group, params, directions in updates or ():
-            birder_apply(params, directions, lr=group["lr"], weight_decay=group["weight_decay"])
+            birder_apply(
+                [local_tensor(p) for p in params],
+                [local_tensor(d) for d in directions],
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+            )
 
     def _local_updates(self) -> list[Update] | None:
         # one process: encode, then quantize locally (rank 0's keys; d = 0 where u == 0)
@@ -238,20 +314,22 @@ class Birder(OneBitOptimizer):
                 "Birder: non-finite gradient; this step was skipped (state untouched).", RuntimeWarning, stacklevel=4
             )
             return None
+        self.check_state_matches([p for gg in batch for p in gg.params])
         updates = []
         for group, params, grads in batch:
             us = self.encode(group, params, grads)
             if group["quantize"]:
                 keys = self.bit_keys(params, [int(self.state[p]["step"]) for p in params])
-                us = [_signs(u, keys.key(i, STAGE_WORKER, 0)) for i, u in enumerate(us)]
+                us = [_signs(u, keys.key(i, STAGE_WORKER, 0), keys.offsets[i]) for i, u in enumerate(us)]
             updates.append(Update(group, params, us))
         return updates
 
 
-def _signs(u: torch.Tensor, key: tuple[int, int]) -> torch.Tensor:
-    # Q(u): +1 with probability (1 + u) / 2, else -1, in u's dtype and shape; and 0 where u == 0 exactly: still
-    # unbiased, and a coordinate whose gradient has always been 0 stays put (torch's convention), no fair coin
-    q = torch.where(quantize_bits(u, key).view_as(u), 1.0, -1.0).to(u.dtype)
+def _signs(u: torch.Tensor, key: tuple[int, int], offset: int = 0) -> torch.Tensor:
+    # Q(u): +1 with probability (1 + u) / 2, else -1, in u's dtype and shape (offset: the counter of u's first
+    # element); and 0 where u == 0 exactly: still unbiased, and a coordinate whose gradient has always been 0 stays
+    # put (torch's convention), no fair coin
+    q = torch.where(quantize_bits(u, key, offset).view_as(u), 1.0, -1.0).to(u.dtype)
     return q.masked_fill_(u == 0, 0.0)
 
 
@@ -303,12 +381,29 @@ def birder_apply(params: list[torch.Tensor], directions: list[torch.Tensor], *, 
     Two in-place passes, no temporaries: :math:`x \leftarrow (1 - \eta\lambda) x - \eta d`; bf16/fp16
     parameters are updated in float32 and rounded once.
     """
+    if isinstance(lr, torch.Tensor):
+        return _apply_tensor_lr(params, directions, lr, weight_decay)
     decay = 1.0 - lr * weight_decay
     for p, d in zip(params, directions):
         x = p.float() if p.dtype in (torch.float16, torch.bfloat16) else p
         if decay != 1.0:
             x.mul_(decay)
         x.add_(d.to(x.dtype), alpha=-lr)
+        if x is not p:
+            p.copy_(x)
+
+
+def _apply_tensor_lr(params, directions, lr: torch.Tensor, weight_decay: float) -> None:
+    # a 1-element Tensor lr (a scheduler may change it in place): read on its device, never on the host
+    rates: dict[tuple, torch.Tensor] = {}
+    for p, d in zip(params, directions):
+        x = p.float() if p.dtype in (torch.float16, torch.bfloat16) else p
+        rate = rates.get((x.device, x.dtype))
+        if rate is None:
+            rate = rates[(x.device, x.dtype)] = lr.detach().reshape(()).to(device=x.device, dtype=x.dtype)
+        if weight_decay != 0:
+            x.mul_(1 - rate * weight_decay)
+        x.addcmul_(d.to(x.dtype), rate, value=-1)
         if x is not p:
             p.copy_(x)
 

@@ -447,27 +447,40 @@ def antithetic(member: int) -> tuple[int, bool]:
 class BitKeys:
     """Keys for a flat buffer made of consecutive segments, one per parameter.
 
-    Element ``i`` of segment ``s`` gets counter ``i`` under the key
+    Element ``i`` of segment ``s`` gets counter ``segment_offsets[s] + i`` under the key
     ``derive_key(seed, step, segment_ids[s], stage, who)``, so its random bit does not depend on where
-    the segment sits in a DDP bucket, a shard or a chunk. The two members of an antithetic pair (:func:`antithetic`)
-    draw with the same ``who`` and one of them with ``reflect=True``.
+    the segment sits in a DDP bucket, a shard or a chunk. A segment that is a shard of a parameter (FSDP) gives
+    the index of its first element in the flattened full parameter as its offset: element ``j`` of the parameter
+    then draws from counter ``j`` whichever rank holds it. The two members of an antithetic pair
+    (:func:`antithetic`) draw with the same ``who`` and one of them with ``reflect=True``.
 
     Args:
         seed (`int`): the optimizer's seed.
         step (`int` or `Sequence[int]`): the optimizer step the draw belongs to (or one per segment).
         segment_ids (`Sequence[int]`): a stable id per segment (the parameter's index in the optimizer).
         segment_sizes (`Sequence[int]`): the number of elements of each segment.
+        segment_offsets (`Sequence[int]`, *optional*): the counter of each segment's first element (default 0).
     """
 
-    __slots__ = ("seed", "steps", "ids", "starts", "numel")
+    __slots__ = ("seed", "steps", "ids", "starts", "offsets", "numel")
 
-    def __init__(self, seed: int, step: int | Sequence[int], segment_ids: Sequence[int], segment_sizes: Sequence[int]):
+    def __init__(
+        self,
+        seed: int,
+        step: int | Sequence[int],
+        segment_ids: Sequence[int],
+        segment_sizes: Sequence[int],
+        segment_offsets: Sequence[int] | None = None,
+    ):
         if len(segment_ids) != len(segment_sizes):
             raise ValueError("segment_ids and segment_sizes must have the same length")
         steps = [int(step)] * len(segment_ids) if isinstance(step, int) else [int(s) for s in step]
         if len(steps) != len(segment_ids):
             raise ValueError("give one step, or one step per segment")
-        self.seed, self.steps = int(seed), steps
+        offsets = [0] * len(segment_ids) if segment_offsets is None else [int(o) for o in segment_offsets]
+        if len(offsets) != len(segment_ids) or any(o < 0 for o in offsets):
+            raise ValueError("give one segment offset (>= 0) per segment, or none")
+        self.seed, self.steps, self.offsets = int(seed), steps, offsets
         self.ids = [int(i) for i in segment_ids]
         starts, total = [], 0
         for size in segment_sizes:
@@ -492,7 +505,7 @@ class BitKeys:
         for s, (a, b) in enumerate(zip(self.starts, ends)):
             lo, hi = max(a, start), min(b, stop)
             if lo < hi:
-                yield s, lo - a, lo - start, hi - start
+                yield s, self.offsets[s] + lo - a, lo - start, hi - start
 
     def _pack(self, numel: int, start: int, stage: int, who: int, encode, device) -> torch.Tensor:
         # packed bits of elements [start, start + numel): encode(a, b, key, counter) packs elements [a, b)

@@ -20,7 +20,7 @@ the two streams of collectives could be issued in different orders on different 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
@@ -48,10 +48,16 @@ def _build_group(enumeration: list[list[int]], world_group):
     return mine
 
 
-def _positive_int(where: str, name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{where}: {name} must be an int >= 1, got {value!r}.")
-    return value
+def _layout_problem(where: str, num_nodes, local_world_size, world: int) -> str | None:
+    for name, value in (("num_nodes", num_nodes), ("local_world_size", local_world_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return f"{where}: {name} must be an int >= 1, got {value!r}."
+    if num_nodes * local_world_size != world:
+        return (
+            f"{where}: num_nodes x local_world_size must equal the world size {world}; choose a "
+            f"local_world_size that divides {world}."
+        )
+    return None
 
 
 _ENV_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "LOCAL_RANK")
@@ -71,9 +77,12 @@ class Topology:
             ``None`` when ``k == 1``. (``None`` means "only this rank, no collective needed"; do not
             pass it to ``torch.distributed``, where ``None`` means the default group.)
         intra_ranks, inter_ranks: the global ranks of those groups.
+        owned_groups: the groups the topology built itself (``close()`` destroys them).
+        closed: whether :meth:`close` released the groups.
 
     A topology holds process groups: it cannot be pickled and has no state to checkpoint; rebuild it
-    after a restart. It is immutable, and compares by identity.
+    after a restart. It is immutable, and compares by identity. :meth:`close` releases the groups it built (every
+    rank, after its last use; the hook states' ``close()`` calls it).
 
     Example::
 
@@ -93,6 +102,8 @@ class Topology:
     inter_group: object
     intra_ranks: tuple[int, ...]
     inter_ranks: tuple[int, ...]
+    owned_groups: tuple = field(default=(), repr=False)  # the groups this topology built (close() destroys them)
+    closed: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self):
         if self.local_world_size * self.num_nodes != self.world_size:
@@ -113,16 +124,23 @@ class Topology:
                 other collectives on ``group`` (see the module docstring).
         """
         _require_initialized("Topology.flat")
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(
+                f"Topology.flat(group): group must be a torch.distributed ProcessGroup or None (the default group), "
+                f"got {type(group).__name__}."
+            )
         group = dist.group.WORLD if group is None else group
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         if rank < 0:
             raise ValueError("Topology.flat(group): this process is not a member of `group`")
         ranks = tuple(dist.get_process_group_ranks(group))
+        owned = ()
         if dedicated and size > 1:
             # members only need to call when group is a proper subgroup
             local = size != dist.get_world_size()
             group = dist.new_group(list(ranks), use_local_synchronization=local)
             rank, ranks = dist.get_rank(group), tuple(dist.get_process_group_ranks(group))
+            owned = (group,)
         return cls(
             rank=rank,
             world_size=size,
@@ -135,6 +153,7 @@ class Topology:
             inter_group=None,
             intra_ranks=ranks,
             inter_ranks=(ranks[rank],),
+            owned_groups=owned,
         )
 
     @classmethod
@@ -147,22 +166,25 @@ class Topology:
         """
         where = f"Topology.from_layout({num_nodes!r}, {local_world_size!r})"
         _require_initialized("Topology.from_layout")
-        k = _positive_int(where, "num_nodes", num_nodes)
-        lws = _positive_int(where, "local_world_size", local_world_size)
         world = dist.get_world_size()
-        if k * lws != world:
-            raise ValueError(
-                f"{where}: num_nodes x local_world_size must equal the world size {world}; choose a "
-                f"local_world_size that divides {world}."
-            )
+        problem = _layout_problem(where, num_nodes, local_world_size, world)
         if world > 1:
-            layouts: list = [None] * world
-            dist.all_gather_object(layouts, (k, lws))
-            if len(set(layouts)) > 1:
+            # gather first, then every rank judges the same table: all raise together, none waits for the others
+            table: list = [None] * world
+            dist.all_gather_object(table, (repr(num_nodes), repr(local_world_size), problem))
+            problems = [(r, row[2]) for r, row in enumerate(table) if row[2]]
+            if problems:
+                r, problem = problems[0]
+                raise ValueError(problem if len({row[:2] for row in table}) == 1 else f"rank {r}: {problem}")
+            if len({row[:2] for row in table}) > 1:
+                layouts = ", ".join(f"rank {r} ({row[0]}, {row[1]})" for r, row in enumerate(table))
                 raise ValueError(
-                    f"Topology.from_layout: the ranks asked for different layouts {sorted(set(layouts))} "
-                    "(num_nodes, local_world_size); every rank must pass the same arguments."
+                    f"Topology.from_layout: the ranks asked for different layouts (num_nodes, local_world_size): "
+                    f"{layouts}; every rank must pass the same arguments."
                 )
+        elif problem:
+            raise ValueError(problem)
+        k, lws = num_nodes, local_world_size
         return cls._from_grid([[g * lws + j for j in range(lws)] for g in range(k)])
 
     @classmethod
@@ -211,25 +233,8 @@ class Topology:
         rank calls it.
         """
         _require_initialized("Topology.from_device_mesh")
-        if getattr(mesh, "ndim", None) != 2 or not hasattr(mesh, "mesh"):
-            raise ValueError(
-                f"Topology.from_device_mesh expects a 2-D torch.distributed DeviceMesh (nodes x local), got "
-                f"{type(mesh).__name__}{f' of {mesh.ndim} dimensions' if hasattr(mesh, 'ndim') else ''}; build one "
-                "with init_device_mesh(device, (num_nodes, local_world_size))."
-            )
-        world = dist.get_world_size()
-        k, lws = mesh.size(0), mesh.size(1)
-        if k * lws != world:
-            raise ValueError(f"the mesh covers {k * lws} ranks but the default group has {world}; use a mesh of all")
-        grid = mesh.mesh.tolist()  # grid[node][local] = global rank
-        # a group's ranks are ordered by global rank: the mesh must ascend along both dimensions for
-        # those orders to be the mesh's local and node indices
-        if any(sorted(row) != row for row in grid) or any(sorted(col) != list(col) for col in zip(*grid)):
-            raise ValueError(
-                "Topology.from_device_mesh: the mesh's nodes and columns do not form a sorted grid (ranks "
-                "ascending along both dimensions); build the mesh with init_device_mesh(device, (num_nodes, "
-                "local_world_size)), or use Topology.from_layout(num_nodes, local_world_size)."
-            )
+        grid = _mesh_grid(mesh, "Topology.from_device_mesh")  # grid[node][local] = global rank
+        k = len(grid)
         rank = dist.get_rank()
         node = next(g for g in range(k) if rank in grid[g])
         local = grid[node].index(rank)
@@ -238,6 +243,45 @@ class Topology:
         if intra_ranks != set(grid[node]) or inter_ranks != {row[local] for row in grid}:
             raise ValueError("Topology.from_device_mesh: mesh.get_group(0/1) disagree with mesh.mesh")
         return cls._from_grid(grid)
+
+    @classmethod
+    def from_replicate_dim(cls, mesh) -> Topology:
+        """This rank and its replicas across the nodes, each its own node: ``k`` nodes x 1 rank.
+
+        ``mesh`` is the 2-D ``(replicate, shard)`` DeviceMesh of HSDP (dimension 0 spans the ``k`` nodes,
+        dimension 1 the ranks of a node; ``init_device_mesh(device, (k, L), mesh_dim_names=("replicate",
+        "shard"))``). The topology holds the ``k`` ranks with this rank's local index, one per node, which hold the
+        same shard of every FSDP parameter: the group Birder's 1-bit all-reduce runs on in sharded training
+        (``birder_hf.fsdp``). Every byte it sends counts as inter-node. A 1-D mesh of all ranks is one node
+        (``k = 1``: this rank alone). Collective: every rank calls it (each builds its own copy of the groups, as
+        :meth:`from_device_mesh` does).
+        """
+        _require_initialized("Topology.from_replicate_dim")
+        if getattr(mesh, "ndim", None) == 1 and hasattr(mesh, "mesh"):
+            grid = [mesh.mesh.tolist()]
+            if sorted(grid[0]) != list(range(dist.get_world_size())):
+                raise ValueError(f"Topology.from_replicate_dim: the 1-D mesh {grid[0]} must hold every rank once")
+        else:
+            grid = _mesh_grid(mesh, "Topology.from_replicate_dim")
+        k, lws = len(grid), len(grid[0])
+        rank = dist.get_rank()
+        node = next(g for g in range(k) if rank in grid[g])
+        local = grid[node].index(rank)
+        columns = [[grid[g][j] for g in range(k)] for j in range(lws)]
+        group, _ = dist.new_subgroups_by_enumeration(columns)
+        return cls(
+            rank=node,
+            world_size=k,
+            local_rank=0,
+            local_world_size=1,
+            node_rank=node,
+            num_nodes=k,
+            world_group=group,
+            intra_group=None,
+            inter_group=group if k > 1 else None,
+            intra_ranks=(rank,),
+            inter_ranks=tuple(columns[local]),
+        )
 
     @classmethod
     def _from_grid(cls, grid: list[list[int]]) -> Topology:
@@ -249,6 +293,8 @@ class Topology:
         intra = [list(row) for row in grid]
         inter = [[grid[g][j] for g in range(k)] for j in range(lws)]
         world_group = dist.new_group(list(range(world))) if world > 1 else dist.group.WORLD
+        intra_group, inter_group = _build_group(intra, world_group), _build_group(inter, world_group)
+        built = [g for g in (world_group, intra_group, inter_group) if g is not None and g is not dist.group.WORLD]
         return cls(
             rank=rank,
             world_size=world,
@@ -257,11 +303,43 @@ class Topology:
             node_rank=node,
             num_nodes=k,
             world_group=world_group,
-            intra_group=_build_group(intra, world_group),
-            inter_group=_build_group(inter, world_group),
+            intra_group=intra_group,
+            inter_group=inter_group,
             intra_ranks=intra[node],
             inter_ranks=inter[local],
+            owned_groups=tuple({id(g): g for g in built}.values()),
         )
+
+    # -------------------------------------------------------------------------------------------- close
+    def close(self) -> None:
+        """Release the process groups this topology built, now (idempotent; every rank calls it after its last use).
+
+        Waits until the backend's threads have finished with the 1-bit all-reduce's callbacks, then destroys the
+        groups, joining their threads on this thread. Without it they live until the interpreter exits. A topology
+        built over groups it did not create (``Topology.flat(group, dedicated=False)``) leaves them alone. Using a
+        closed topology raises.
+        """
+        if self.closed:
+            return
+        from .collectives import wait_for_callbacks  # the callbacks run on these groups' threads
+
+        wait_for_callbacks()
+        for group in self.owned_groups:
+            try:
+                dist.destroy_process_group(group)
+            except ValueError:  # already destroyed (destroy_process_group() destroys every group)
+                pass
+        for name in ("world_group", "intra_group", "inter_group"):
+            object.__setattr__(self, name, None)
+        object.__setattr__(self, "owned_groups", ())
+        object.__setattr__(self, "closed", True)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError(
+                f"{self!r} was closed (its process groups are released); build a new topology, and a new hook state "
+                "with it, to communicate again."
+            )
 
     # ------------------------------------------------------------------------------------------- misc
     def __repr__(self) -> str:
@@ -281,6 +359,35 @@ class Topology:
             "Topology holds process groups and cannot be pickled or checkpointed; rebuild it after a restart "
             "(Topology.from_env() / from_layout() / from_device_mesh()) and keep it out of state_dict()."
         )
+
+
+def _mesh_grid(mesh, where: str) -> list[list[int]]:
+    """``grid[node][local] = global rank`` of a 2-D DeviceMesh covering every rank, ascending along both dimensions."""
+    if not hasattr(mesh, "mesh") or not hasattr(mesh, "get_group"):
+        raise TypeError(
+            f"{where} expects a torch.distributed DeviceMesh, got {type(mesh).__name__}; build one with "
+            "init_device_mesh(device, (num_nodes, local_world_size))."
+        )
+    if getattr(mesh, "ndim", None) != 2:
+        raise ValueError(
+            f"{where} expects a 2-D torch.distributed DeviceMesh (nodes x local), got "
+            f"{type(mesh).__name__}{f' of {mesh.ndim} dimensions' if hasattr(mesh, 'ndim') else ''}; build one "
+            "with init_device_mesh(device, (num_nodes, local_world_size))."
+        )
+    world = dist.get_world_size()
+    k, lws = mesh.size(0), mesh.size(1)
+    if k * lws != world:
+        raise ValueError(f"the mesh covers {k * lws} ranks but the default group has {world}; use a mesh of all")
+    grid = mesh.mesh.tolist()
+    # a group's ranks are ordered by global rank: the mesh must ascend along both dimensions for
+    # those orders to be the mesh's local and node indices
+    if any(sorted(row) != row for row in grid) or any(sorted(col) != list(col) for col in zip(*grid)):
+        raise ValueError(
+            f"{where}: the mesh's nodes and columns do not form a sorted grid (ranks "
+            "ascending along both dimensions); build the mesh with init_device_mesh(device, (num_nodes, "
+            "local_world_size)), or use Topology.from_layout(num_nodes, local_world_size)."
+        )
+    return grid
 
 
 def _check_env_table(table: list, world: int) -> str:

@@ -28,11 +28,15 @@ uses are public ``Strategy`` methods:
   every rank, each rank loads its own, so ``fit(ckpt_path=...)`` continues bit for bit. A checkpoint without
   that folder is an error, never a silent reset to rank 0's state.
 
-Refused at setup, each with a ``ValueError``/``TypeError`` that says how to fix it: fp16 precision
-(``"16-mixed"``/``"16-true"``: use ``"bf16-mixed"``), ``gradient_clip_val`` (after the hook ``.grad`` holds the
-direction ``d`` in ``[-1, 1]``: a step moves a coordinate by at most ``lr * (1 + weight_decay * |x|)``), an
-optimizer that is not Birder/OneBitAdam, several optimizers (also under manual optimization), and, at
-construction, a second hook (``ddp_comm_hook``,
+fp16 (``"16-mixed"``) trains with loss scaling: under the hook Birder takes the scaled gradients as they are and tells
+Lightning's ``MixedPrecision`` plugin not to un-scale ``.grad`` (``_step_supports_amp_scaling``); an overflow on any
+rank skips the step everywhere and backs the scale off (``birder_hf.communicators.HookState``).
+
+Refused at setup, each with a ``ValueError``/``TypeError`` that says how to fix it: 1-bit Adam with
+``"16-mixed"`` (its step depends on the loss scale: use ``"bf16-mixed"``), ``gradient_clip_val`` (after the hook
+``.grad`` holds the direction ``d`` in ``[-1, 1]``: a step moves a coordinate by at most
+``lr * (1 + weight_decay * |x|)``), an optimizer that is not Birder/OneBitAdam, several optimizers (also under manual
+optimization), and, at construction, a second hook (``ddp_comm_hook``,
 ``ddp_comm_state``, ``ddp_comm_wrapper``) or post-local SGD (``model_averaging_period``). Other strategies
 (``"ddp"``, FSDP, DeepSpeed) have no 1-bit path: with ``strategy="ddp"`` Birder trains on fp32 all-reduced
 gradients and warns once.
@@ -50,7 +54,7 @@ import os
 import shutil
 from typing import Any
 
-from ..checkpoint import read_rank_state, save_rank_state
+from ..checkpoint import read_own_rank_state, save_rank_state
 from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, INTER_METHODS, METHODS
 from ..communicators import HookState
 from ..hook import BirderHookState, attach_ddp_hook
@@ -70,9 +74,6 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 __all__ = ["BirderDDPStrategy", "birder_state_dir"]
 
 _ONE_BIT = (Birder, OneBitAdam)
-# fp16 needs loss scaling, and a scaled step that the scaler skips would already have moved m and b.
-# Remove this one check when Birder supports GradScaler.
-_FP16_PRECISIONS = ("16-mixed", "16-true")
 
 
 def birder_state_dir(checkpoint_path: str | os.PathLike) -> str:
@@ -92,16 +93,20 @@ def birder_state_dir(checkpoint_path: str | os.PathLike) -> str:
 
 
 def _check_trainer_settings(precision: str, gradient_clip_val: float | None) -> None:
-    if str(precision) in _FP16_PRECISIONS:
-        raise ValueError(
-            f"BirderDDPStrategy does not support precision={precision!r}: fp16 needs loss scaling, and a step the "
-            "scaler skips would corrupt Birder's m and b. Use Trainer(precision='bf16-mixed') (or 'bf16-true')."
-        )
     if gradient_clip_val is not None and gradient_clip_val > 0:
         raise ValueError(
             f"Trainer(gradient_clip_val={gradient_clip_val}) would clip .grad after the 1-bit hook, where it holds "
             "Birder's direction d in [-1, 1] (a step moves a coordinate by at most lr * (1 + weight_decay * |x|)). "
             "Remove gradient_clip_val."
+        )
+
+
+def _check_precision(precision: str, opt) -> None:
+    if isinstance(opt, OneBitAdam) and str(precision) == "16-mixed":
+        raise ValueError(
+            "OneBitAdam cannot train with precision='16-mixed': its hook encodes the loss-scaled gradients, and "
+            "Adam's step depends on their scale. Use Trainer(precision='bf16-mixed') (Birder itself trains with "
+            "'16-mixed')."
         )
 
 
@@ -215,6 +220,7 @@ class BirderDDPStrategy(DDPStrategy):
         if trainer.state.fn != TrainerFn.FITTING:
             return
         opt = _one_bit_optimizer(self.optimizers, self.lightning_module.automatic_optimization)
+        _check_precision(trainer.precision, opt)
         if self.world_size == 1:
             rank_zero_info(f"{type(opt).__name__}: single process, no gradient communication to compress.")
             return
@@ -283,7 +289,7 @@ class BirderDDPStrategy(DDPStrategy):
             return
         folder = birder_state_dir(path)
         try:
-            state = read_rank_state(folder, rank=self.global_rank, world_size=self.world_size)
+            state = read_own_rank_state(opt, folder, rank=self.global_rank, world_size=self.world_size)
         except FileNotFoundError as exc:
             raise FileNotFoundError(
                 f"{path} has no per-rank Birder state ({folder}/): it was not written by BirderDDPStrategy, or the "
@@ -294,4 +300,6 @@ class BirderDDPStrategy(DDPStrategy):
 
     def teardown(self) -> None:
         self._resume_checkpoint = None
+        if self.birder_hook_state is not None:
+            self.birder_hook_state.close()  # its process groups and their threads, now (statistics stay readable)
         super().teardown()

@@ -21,7 +21,13 @@ TIMM_NAME = "birder"  # timm splits names on "_", so no underscores
 
 
 def register_with_timm(name: str = TIMM_NAME) -> None:
-    """Register Birder as ``name`` in timm's default optimizer registry (idempotent)."""
+    """Register Birder as ``name`` in timm's default optimizer registry (idempotent).
+
+    Refuses a name timm already uses for another optimizer (``"adamw"``: registering would replace timm's own for the
+    whole process), an empty one, and one with ``_`` (timm splits names on it).
+    """
+    if not isinstance(name, str) or not name.strip() or name != name.strip():
+        raise ValueError(f"Invalid name={name!r}: a timm optimizer name is a non-empty string, e.g. 'birder'.")
     if "_" in name:
         raise ValueError(
             f"timm optimizer names cannot contain '_' (it separates prefixes like lookahead_); got {name!r}"
@@ -30,8 +36,15 @@ def register_with_timm(name: str = TIMM_NAME) -> None:
         from timm.optim._optim_factory import OptimInfo, default_registry
     except ImportError as exc:
         raise ImportError("register_with_timm needs timm: pip install 'birder-hf[timm]'") from exc
-    if name in default_registry._optimizers and default_registry._optimizers[name].opt_class is Birder:
-        return
+    existing = default_registry._optimizers.get(name.lower())  # timm looks names up in lower case
+    if existing is not None:
+        if existing.opt_class is Birder:
+            return
+        owner = getattr(existing.opt_class, "__name__", existing.opt_class)
+        raise ValueError(
+            f"timm already has an optimizer named {name.lower()!r} ({owner}); registering Birder under that name "
+            f"would replace timm's own in the whole process. Pick a free name, e.g. register_with_timm('{TIMM_NAME}')."
+        )
     default_registry.register(
         OptimInfo(
             name=name,

@@ -4,11 +4,16 @@ One line for users: ``Trainer(...)`` becomes ``BirderTrainer(..., birder_args=Bi
 
 Why a subclass and not only a callback: a ``TrainerCallback`` sees the unwrapped model, not the DDP
 module the hook must be registered on, and it cannot put numbers into the logs that TensorBoard and
-friends receive, nor learn which checkpoint a resume starts from. The subclass uses public seams
-only: ``create_optimizer`` (Birder by default), ``train`` (remembers ``resume_from_checkpoint``),
+friends receive, nor learn which checkpoint a resume starts from. The subclass uses the public seams
+``create_optimizer`` (Birder by default), ``train`` (remembers ``resume_from_checkpoint``),
 ``log`` (adds communication statistics), ``create_model_card`` (names Birder), plus a callback it
 installs itself for ``on_train_begin`` (after DDP wrapping and the framework's optimizer load: registers
-the hook, loads this rank's own Birder state) and ``on_save`` (writes every rank's Birder state).
+the hook, loads this rank's own Birder state, every rank together) and ``on_optimizer_step`` (tells the Trainer
+when Birder skipped a step), and protected methods of the Trainer: ``_save_optimizer_and_scheduler(output_dir)``
+writes every rank's Birder state into the very folder the Trainer saves to (``run-*/checkpoint-N`` in a
+hyperparameter search), inside the checkpoint step (a callback's ``on_save`` runs after the Trainer has marked the
+checkpoint complete and rotated old ones away, so a failed write there could leave no complete checkpoint);
+``_save_checkpoint`` says when the disk is full; ``_get_grad_norm`` (see below).
 For your own Trainer subclass: ``class MyTrainer(BirderTrainerMixin, Seq2SeqTrainer): ...``.
 ``optimizer_cls_and_kwargs=(Birder, {...})`` and ``optimizers=(Birder(...), None)`` work too.
 
@@ -17,27 +22,43 @@ What it changes, on purpose:
   direction ``d`` in ``[-1, 1]`` (each step moves a coordinate by at most ``lr * (1 + weight_decay * |x|)``, by
   construction); clipping it is meaningless, so a positive ``max_grad_norm`` (default 1.0) is set to 0 with a
   warning.
-- ``fp16`` (loss scaling) is refused: a skipped, scaled step would corrupt the EMAs. Use ``bf16``.
+- ``grad_norm`` is not logged: the Trainer would log the norm of ``.grad``, which holds ``d`` after the hook, and with
+  fp16 it would un-scale ``.grad`` to compute it.
+- a step Birder skipped (a rank had a non-finite gradient) is reported to the Trainer as skipped, as a ``GradScaler``
+  overflow is: the learning-rate scheduler does not advance.
+- ``fp16`` trains with loss scaling (Birder's ``u = m / b`` does not depend on the scale; see
+  ``birder_hf.communicators.HookState``); 1-bit Adam is refused with ``fp16`` (use ``bf16``).
+- the Trainer's own ``--fsdp`` and DeepSpeed are refused at construction: for sharded training use
+  ``BirderArguments(sharding="hsdp")`` (below).
+
+Sharded training (``BirderArguments(sharding="hsdp")``, our extension of the paper, ``birder_hf.fsdp``): the
+Trainer shards the model itself with FSDP2 on the ``"shard"`` dimension of a ``(nodes, ranks per node)`` mesh (every
+block of ``_no_split_modules``, then the root), so FSDP reduce-scatters gradients inside each node in full precision
+and Birder's 1-bit all-reduce is the only traffic across nodes. This runs wherever ``torchrun`` runs, CPU included
+(accelerate's FSDP plugin needs GPUs). ``HSDPTrainer`` is the same sharding with native HSDP (full-precision
+all-reduce across nodes) for any other optimizer: the uncompressed baseline.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ..base import OneBitOptimizer, unwrap_optimizer
-from ..checkpoint import read_rank_state, save_rank_state
-from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, INTER_METHODS, METHODS
+from ..base import OneBitOptimizer, is_integer, unwrap_optimizer
+from ..checkpoint import disk_full_error, read_own_rank_state, save_rank_state
+from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, INTER_METHODS, METHODS, check_settings
 from ..communicators import HookState
+from ..fsdp import hsdp_mesh, register_birder_fsdp, shard_model
 from ..hook import attach_ddp_hook
-from ..model_card import model_card_section, optimizer_description
+from ..model_card import fix_trainer_card, model_card_section, optimizer_description
 from ..onebit_adam import OneBitAdam
 from ..optim import Birder
 from ..topology import Topology
-from .accelerate import check_really_distributed
+from .accelerate import check_really_distributed, report_skipped_step
 
 try:
     from transformers import Trainer, TrainerCallback
@@ -47,7 +68,15 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "birder_hf.integrations.transformers needs transformers: pip install 'birder-hf[transformers]'"
     ) from exc
 
-__all__ = ["BirderArguments", "BirderTrainerMixin", "BirderTrainer", "BirderCallback", "birder_model_card_section"]
+__all__ = [
+    "BirderArguments",
+    "BirderTrainerMixin",
+    "BirderTrainer",
+    "BirderCallback",
+    "ShardedTrainerMixin",
+    "HSDPTrainer",
+    "birder_model_card_section",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +119,13 @@ class BirderArguments:
             "e.g. --num_nodes 2 with 4 processes on one machine simulates 2 nodes x 2 for the hierarchical method."
         },
     )
+    sharding: str = field(
+        default="none",
+        metadata={
+            "help": "none (DDP: every rank holds the whole model) | hsdp (FSDP2 inside each node, 1 bit across the "
+            "nodes; nodes from --num_nodes or the launcher's LOCAL_WORLD_SIZE)."
+        },
+    )
     comm_method: str | None = field(default=None, metadata={"help": "Deprecated name of --method."})
 
     optimizers: ClassVar[tuple[str, ...]] = OPTIMIZERS  # a recipe's subclass may add its uncompressed baselines
@@ -98,14 +134,31 @@ class BirderArguments:
         if self.comm_method is not None:
             warnings.warn("BirderArguments(comm_method=...) is renamed method=...", FutureWarning, stacklevel=3)
             self.method, self.comm_method = self.comm_method, None
+        # the same rules as the objects these settings build (set from Python, a value may have any type)
         if self.optimizer not in self.optimizers:
             raise ValueError(f"optimizer={self.optimizer!r}; choose one of {', '.join(self.optimizers)}.")
         if self.method not in METHODS:
             raise ValueError(f"method={self.method!r}; choose one of {', '.join(METHODS)}.")
         if self.inter_method not in INTER_METHODS:
             raise ValueError(f"inter_method={self.inter_method!r}; choose one of {', '.join(INTER_METHODS)}.")
-        if not 0.0 <= self.beta < 1.0:
-            raise ValueError(f"beta={self.beta} must lie in [0, 1).")
+        check_settings(self.method, self.inter_method, self.chunk_numel)
+        rules = {
+            "beta": Birder.settings["beta"],
+            "freeze_step": OneBitAdam.settings["freeze_step"],
+            "amsgrad": Birder.settings["amsgrad"],
+            "quantize": Birder.settings["quantize"],
+        }
+        for name, rule in rules.items():
+            problem = rule.problem(getattr(self, name))
+            if problem is not None:
+                raise ValueError(f"Invalid {name}={getattr(self, name)!r}: {problem.format(name=name)}.")
+        if self.num_nodes is not None and not (is_integer(self.num_nodes) and self.num_nodes >= 1):
+            raise ValueError(
+                f"Invalid num_nodes={self.num_nodes!r}: num_nodes must be None (the launcher's layout) or an int >= 1 "
+                "that divides the number of processes."
+            )
+        if self.sharding not in ("none", "hsdp"):
+            raise ValueError(f"sharding={self.sharding!r}; choose none or hsdp.")
 
     def topology(self) -> Topology:
         """The topology these arguments ask for (collective: every rank must call it)."""
@@ -123,6 +176,8 @@ class BirderArguments:
         out = {"method": self.method, "inter_method": self.inter_method, "chunk_numel": self.chunk_numel}
         if self.num_nodes is not None:
             out["num_nodes"] = self.num_nodes
+        if self.sharding != "none":
+            out["sharding"] = self.sharding
         return out
 
 
@@ -138,16 +193,30 @@ class BirderCallback(TrainerCallback):
         if not isinstance(opt, OneBitOptimizer):
             raise TypeError(f"BirderTrainer needs a Birder (or OneBitAdam) optimizer, got {type(opt).__name__}.")
         if trainer._birder_resume_dir is not None:
-            # the Trainer just loaded rank 0's optimizer.pt into every rank; take this rank's own state
-            opt.load_state_dict(
-                read_rank_state(trainer._birder_resume_dir, rank=args.process_index, world_size=args.world_size)
-            )
+            # the Trainer just loaded rank 0's optimizer.pt into every rank; take this rank's own state (every rank
+            # together: one rank's missing or corrupt file stops them all at once)
+            folder, rank, world = trainer._birder_resume_dir, args.process_index, args.world_size
+            opt.load_state_dict(read_own_rank_state(opt, folder, rank=rank, world_size=world))
         check_really_distributed(args.world_size)
         hooked = trainer.birder_hook_state
         if args.world_size == 1 or (hooked is not None and hooked.optimizer is opt):
             return
-        # a new optimizer (first train(), or a new trial of hyperparameter_search / model_init): a new hook
+        # a new optimizer (first train(), or a new trial of hyperparameter_search / model_init): a new hook, on the
+        # new DDP model; the previous one's process groups are released first
+        if hooked is not None:
+            hooked.close()
         b = trainer.birder_args
+        if trainer.birder_mesh is not None:
+            trainer.birder_hook_state = register_birder_fsdp(
+                trainer.model,
+                opt,
+                trainer.birder_mesh,
+                method=b.method,
+                inter_method=b.inter_method,
+                chunk_numel=b.chunk_numel,
+            )
+            logger.info("%s: %s on %r", type(opt).__name__, trainer.birder_hook_state.description, trainer.birder_mesh)
+            return
         trainer.birder_hook_state = attach_ddp_hook(
             trainer.model_wrapped,
             opt,
@@ -159,27 +228,138 @@ class BirderCallback(TrainerCallback):
         state = trainer.birder_hook_state
         logger.info("%s: %s registered on %r", type(opt).__name__, state.description, state.topology)
 
-    def on_save(self, args, state, control, **kwargs):
-        path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        save_rank_state(self.trainer.optimizer, path, rank=args.process_index, world_size=args.world_size)
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        # the Trainer steps the LR scheduler unless accelerate reports the optimizer step as skipped
+        opt = unwrap_optimizer(self.trainer.optimizer)
+        report_skipped_step(self.trainer.optimizer, getattr(opt, "step_was_skipped", False))
 
 
-class BirderTrainerMixin:
+class ShardedTrainerMixin:
+    """A ``Trainer`` that shards its model with FSDP2 itself, on a ``(replicate, shard)`` mesh (module docstring).
+
+    After ``Trainer.__init__``, :meth:`shard_for_training` applies ``fully_shard`` to every block and the root, and
+    puts the Trainer in its mode for a model that arrives FSDP2-sharded and reduces its own gradients (the mode of
+    ``from_pretrained(distributed_config=...)``): no DDP wrapping, gradient accumulation through FSDP's
+    ``set_requires_gradient_sync``. Checkpoints hold the full weights (``save_pretrained``; every rank takes part in
+    the gather) and load back into the shards.
+    """
+
+    birder_mesh = None  # the (replicate, shard) DeviceMesh, once sharded
+
+    def shard_for_training(self, num_nodes: int | None, *, across_nodes: bool) -> None:
+        """Shard ``self.model`` on the ``"shard"`` dimension (``across_nodes=False``: Birder's 1-bit HSDP) or on the
+        whole 2-D mesh (``True``: native HSDP, full-precision all-reduce across nodes)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("sharding='hsdp' needs a distributed launch (torchrun or accelerate launch).")
+        if self.optimizer is not None:
+            raise ValueError(
+                "sharding='hsdp' creates the optimizer after sharding the model; pass optimizer_cls_and_kwargs= "
+                "instead of an optimizer instance (optimizers=)."
+            )
+        if self.args.fsdp or self.args.deepspeed:
+            raise ValueError(
+                "sharding='hsdp' shards the model itself; drop --fsdp/--deepspeed (accelerate's FSDP plugin would "
+                "shard it again, and DeepSpeed reduces gradients its own way)."
+            )
+        mesh = hsdp_mesh(num_nodes if num_nodes is not None else _launcher_nodes(), self.args.device.type)
+        shard_model(self.model, mesh if across_nodes else mesh["shard"])
+        self.birder_mesh = mesh
+        # the Trainer's own flag for a model sharded before it: it neither wraps it in DDP nor shards it again
+        self.is_distributed_loading_by_transformers = True
+        logger.info("Model sharded with FSDP2 on %r (%s).", mesh, "native HSDP" if across_nodes else "1-bit HSDP")
+
+    @contextlib.contextmanager
+    def _defer_fsdp_gradient_reduction(self):
+        # micro-batches before the last: FSDP keeps the unsharded gradient and reduce-scatters once
+        if self.birder_mesh is None:
+            with super()._defer_fsdp_gradient_reduction():
+                yield
+            return
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if self.birder_mesh is None:
+            return super().save_model(output_dir, _internal_call)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        # every rank takes part in gathering the full weights; the main process writes them
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.args.should_save:
+            self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=full)
+        if self.args.push_to_hub and not _internal_call:  # as Trainer.save_model does
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        if self.birder_mesh is None:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        state = _read_full_weights(resume_from_checkpoint)
+        # tied weights (an LM head sharing the embedding) are saved once: strict=False
+        set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+class HSDPTrainer(ShardedTrainerMixin, Trainer):
+    """``transformers.Trainer`` with native HSDP (FSDP2 on the 2-D mesh: full precision across nodes), for any
+    optimizer: the uncompressed baseline of Birder's 1-bit HSDP. ``num_nodes``: default from the launcher."""
+
+    def __init__(self, *args, num_nodes: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.shard_for_training(num_nodes, across_nodes=True)
+
+
+def _launcher_nodes() -> int:
+    import torch.distributed as dist
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    world = dist.get_world_size()
+    if local < 1 or world % local:
+        raise ValueError(
+            f"LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE')!r} gives no node layout of {world} ranks; pass "
+            "--num_nodes."
+        )
+    return world // local
+
+
+def _read_full_weights(folder: str) -> dict:
+    """The weights ``save_pretrained`` wrote in ``folder`` (one safetensors file or an index of shards)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    state = {}
+    for name in files:
+        state.update(load_file(os.path.join(folder, name)))
+    return state
+
+
+class BirderTrainerMixin(ShardedTrainerMixin):
     """Mix into any ``transformers.Trainer`` subclass (first in the bases) to train with Birder."""
 
     def __init__(self, *args, birder_args: BirderArguments | None = None, **kwargs):
         birder_args = birder_args if birder_args is not None else BirderArguments()
         if birder_args.optimizer not in OPTIMIZERS:
             raise ValueError(f"BirderArguments.optimizer={birder_args.optimizer!r}; choose birder or onebitadam.")
+        _check_supported_setup(
+            kwargs["args"] if "args" in kwargs else (args[1] if len(args) > 1 else None), birder_args
+        )
         super().__init__(*args, **kwargs)
         self.birder_args = birder_args
         self.birder_hook_state: HookState | None = None
         self._birder_resume_dir: str | None = None
-        if self.args.fp16:
-            raise ValueError(
-                "Birder does not support fp16 with loss scaling (a scaled, skipped step would corrupt m and b); "
-                "use --bf16 instead."
-            )
+        _check_supported_setup(self.args, birder_args, self)
         if self.args.max_grad_norm and self.args.max_grad_norm > 0:
             logger.warning(
                 "Birder: max_grad_norm=%s set to 0. After the 1-bit hook, .grad holds the direction d in [-1, 1] "
@@ -188,6 +368,8 @@ class BirderTrainerMixin:
             )
             self.args.max_grad_norm = 0.0
         self.add_callback(BirderCallback(self))
+        if birder_args.sharding == "hsdp":
+            self.shard_for_training(birder_args.num_nodes, across_nodes=False)
 
     def create_optimizer(self, model=None):
         if self.optimizer is None and self.optimizer_cls_and_kwargs is None:
@@ -202,6 +384,37 @@ class BirderTrainerMixin:
             self.optimizer_cls_and_kwargs = (cls, dict(lr=a.learning_rate, weight_decay=a.weight_decay, **extra))
         return super().create_optimizer(model) if model is not None else super().create_optimizer()
 
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        # every rank's own Birder state, into the folder the Trainer saves this checkpoint to (a trial's
+        # run-*/checkpoint-N included), inside the checkpoint step: before trainer_state.json marks the checkpoint
+        # complete and before old checkpoints are rotated away (a failure here keeps the previous checkpoint)
+        save_rank_state(self.optimizer, output_dir, rank=self.args.process_index, world_size=self.args.world_size)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        try:
+            super()._save_checkpoint(model, trial)
+        except Exception as exc:
+            step = f"checkpoint-{self.state.global_step}"
+            kept = f"The new {step} is incomplete (delete it); the checkpoints saved before it are kept"
+            full = disk_full_error(exc, self.args.output_dir, kept=kept)
+            if full is None:
+                raise
+            if isinstance(exc, OSError) and exc.errno == full.errno:  # it says so already
+                exc.add_note(f"birder_hf: {kept}.")
+                raise
+            raise full from exc
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        # the Trainer loads rank 0's optimizer.pt into every rank: this rank's own state wins (sharded m, b would not
+        # even fit another rank's shard); on_train_begin loads it again, for Trainers that load elsewhere
+        opt = unwrap_optimizer(self.optimizer)
+        if checkpoint is not None and isinstance(opt, OneBitOptimizer):
+            opt.stage_rank_state(
+                read_own_rank_state(opt, checkpoint, rank=self.args.process_index, world_size=self.args.world_size)
+            )
+        return super()._load_optimizer_and_scheduler(checkpoint)
+
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         if resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
@@ -209,6 +422,11 @@ class BirderTrainerMixin:
                 raise ValueError(f"No checkpoint found in {self.args.output_dir} to resume from.")
         self._birder_resume_dir = resume_from_checkpoint or None
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        # after the hook .grad holds d, whose norm says nothing about the gradient, and with fp16 the Trainer's
+        # norm would un-scale .grad (GradScaler.unscale_); log no norm
+        return grad_norm
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         state = self.birder_hook_state
@@ -220,24 +438,60 @@ class BirderTrainerMixin:
                 logs[prefix + "compressed_steps"] = state.compressed_steps
         super().log(logs, *args, **kwargs)
 
-    def create_model_card(self, *args, **kwargs) -> None:
+    def create_model_card(self, *args, metrics: dict[str, float] | None = None, **kwargs) -> None:
+        """The Trainer's model card, corrected for Birder (also what ``push_to_hub(**kwargs)`` writes).
+
+        It names the optimizer that was used with its configured values and lists its settings, says "trained from
+        scratch" for a randomly initialized model (the Trainer links an empty base model), names a local
+        ``finetuned_from`` as a local checkpoint (the Trainer links ``huggingface.co/<local path>``), and puts
+        ``metrics`` measured outside the Trainer (e.g. ``{"exact_match": 57.1, "f1": 57.3}``) into ``model-index``
+        for the ``tasks`` and ``dataset`` given.
+        """
         super().create_model_card(*args, **kwargs)
         if not self.is_world_process_zero():
             return
         path = os.path.join(self.args.output_dir, "README.md")
         if not os.path.exists(path):
             return
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
         opt = unwrap_optimizer(self.optimizer)
         communication = self.birder_args.communication()
-        line = f"- optimizer: {optimizer_description(opt, communication)}"
-        lines = [line if ln.startswith("- optimizer:") else ln for ln in lines]
-        if line not in lines:
-            lines.append(line)
-        text = "\n".join(lines) + "\n\n" + model_card_section(opt, communication)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(text)
+        base = kwargs.get("finetuned_from") or getattr(getattr(self.model, "config", None), "_name_or_path", "") or ""
+        fix_trainer_card(
+            path,
+            optimizer_line=f"- optimizer: {optimizer_description(opt, communication)}",
+            section=model_card_section(opt, communication),
+            base_model=base,
+            metrics=metrics,
+            task=kwargs.get("tasks"),
+            dataset=kwargs.get("dataset"),
+        )
+
+
+def _check_supported_setup(args, b: BirderArguments, trainer=None) -> None:
+    """Refuse, at construction, the Trainer set-ups Birder cannot train correctly (``args``: the TrainingArguments;
+    ``trainer``: once built, for what accelerate's config enabled)."""
+    if args is None:
+        return
+    if args.fp16 and b.optimizer == "onebitadam":
+        raise ValueError(
+            "1-bit Adam cannot train with fp16 loss scaling: its hook encodes the scaled gradients, and Adam's step "
+            "depends on their scale. Use --bf16 (Birder itself trains with --fp16)."
+        )
+    sharded = [
+        name
+        for name, on in (
+            ("FSDP", bool(getattr(args, "fsdp", None)) or getattr(trainer, "is_fsdp_enabled", False)),
+            ("DeepSpeed", bool(getattr(args, "deepspeed", None)) or getattr(trainer, "is_deepspeed_enabled", False)),
+        )
+        if on
+    ]
+    if sharded:
+        raise ValueError(
+            f"BirderTrainer does not train with the Trainer's own {' or '.join(sharded)}: their gradient reduction "
+            "bypasses the 1-bit hook. Drop --fsdp/--deepspeed (and the accelerate config's FSDP/DeepSpeed plugin); "
+            "for sharded training use BirderArguments(sharding='hsdp') (--sharding hsdp): FSDP2 inside each node, "
+            "Birder's 1-bit all-reduce across nodes."
+        )
 
 
 class BirderTrainer(BirderTrainerMixin, Trainer):

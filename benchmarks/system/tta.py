@@ -1,0 +1,406 @@
+"""Time to accuracy on a slow link: Birder against fp32 DDP, fp16, PowerSGD (rank 1 and 4) and 1-bit Adam.
+
+The question a user asks before choosing a compressor: which method reaches the target quality first, in wall-clock
+time, on a slow network? On one machine it is answered in two measurements that are composed, and checked:
+
+1. **Quality per step** (``curves``): every method trains each task for the same steps, on the same batches, from the
+   same weights, 3 seeds, 4 ranks as 2 nodes x 2 on loopback (``_tta_worker.py``). What a method computes does not
+   depend on the link (the arithmetic is the same bit for bit whatever carries the bytes), so loopback gives each
+   method's metric after every evaluated step at the speed of the CPU.
+2. **Time per step on the link** (``steptime``): the same processes in two network namespaces (two emulated nodes,
+   ``testbed.py``) joined by a shaped link, each method for a few timed steps. Methods with an fp32 warm-up
+   (PowerSGD, 1-bit Adam) are timed in both phases.
+
+The wall-clock curve of a method is its quality after step s against the sum of its measured step times up to s
+(evaluation excluded). ``validate`` runs Birder hierarchical and PowerSGD rank 4 for their whole length on the link
+and compares the measured seconds with the composed ones.
+
+**The link rate** (``--rate-mbit``, per task): what matters is the ratio of communication to computation. On 2 nodes
+of 8 A100s joined by 10 GbE (94% goodput), an fp32 ring all-reduce sends 2(n-1)/n = 1.875x the gradient through each
+node's NIC: BERT-Base (435.6 MB of gradient) 0.695 s, ResNet-50 (102.2 MB) 0.163 s per step. The A100 computes a
+step of 128 samples per GPU (the paper's larger batch) in 0.118 s (BERT-Base, 1083.7 samples/s) and 0.136 s
+(ResNet-50, 938 samples/s; both in ``docs/results/cost_model.json``): ratios 5.9 and 1.2. ``calibrate`` measures
+each task's compute time per step here (no communication) and the bytes an fp32 step sends across the link, and sets
+the link rate so that the fp32 step shows the same ratio (``qa`` and ``lm`` take BERT-Base's, ``image``
+ResNet-50's).
+
+    python benchmarks/system/tta.py all          # calibrate, tune, curves, steptime, validate, report (hours)
+    python benchmarks/system/tta.py curves --tasks qa --seeds 0
+    python benchmarks/system/tta.py report       # table + plots from what is in --work
+
+Learning rates: tuned on seed 0 from a grid per method (``GRIDS``), best final metric; no method is tuned down.
+Results: ``docs/results/tta.json``, ``tta_table.md``, ``tta.png`` (metric against seconds, one panel per task).
+Runs are resumable: a run whose JSON lines are complete is read, not run again. Namespace phases need root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(_HERE))
+sys.path.insert(0, str(_HERE.parent))
+
+ROOT = _HERE.parents[1]
+WORKER = _HERE / "_tta_worker.py"
+METHODS = ("fp32", "fp16", "powersgd-r1", "powersgd-r4", "onebitadam", "birder-h", "birder-flat")
+LABELS = {
+    "fp32": "DDP fp32",
+    "fp16": "fp16 hook",
+    "powersgd-r1": "PowerSGD rank 1",
+    "powersgd-r4": "PowerSGD rank 4",
+    "onebitadam": "1-bit Adam",
+    "birder-h": "Birder hierarchical",
+    "birder-flat": "Birder flat (allgather)",
+}
+COLORS = {
+    "fp32": "#4c72b0",
+    "fp16": "#55a868",
+    "powersgd-r1": "#8172b2",
+    "powersgd-r4": "#64b5cd",
+    "onebitadam": "#9467bd",
+    "birder-h": "#d94801",
+    "birder-flat": "#fdae6b",
+}
+PRIMARY = {
+    "qa": ("f1", True, "SQuAD F1"),
+    "image": ("top1", True, "top-1 (%)"),
+    "lm": ("perplexity", False, "val. ppl"),
+}
+# comm/compute ratio of an fp32 step on 2 x 8 A100 over 10 GbE at 128 samples per GPU (module docstring)
+RATIO = {"qa": 0.695 / (128 / 1083.71), "lm": 0.695 / (128 / 1083.71), "image": 0.163 / (128 / 938.0)}
+# learning-rate grids (seed 0); the base optimizer of fp32/fp16/PowerSGD is AdamW (qa, lm) or SGDM (image)
+GRIDS = {
+    "qa": {"adam": [1e-3, 2e-3, 4e-3], "birder": [2e-3, 4e-3, 8e-3]},
+    "image": {"sgd": [0.05, 0.1, 0.2], "adam": [1e-3, 2e-3, 4e-3], "birder": [2e-3, 4e-3, 8e-3]},
+    "lm": {"adam": [1e-3, 2e-3, 4e-3], "birder": [1e-3, 2e-3, 4e-3]},
+}
+STEPS = {"qa": 600, "image": 600, "lm": 600}
+EVAL_EVERY = {"qa": 50, "image": 50, "lm": 50}
+
+
+def grid(task: str, method: str) -> list[float]:
+    if method.startswith("birder"):
+        return GRIDS[task]["birder"]
+    if method == "onebitadam" or task != "image":
+        return GRIDS[task]["adam"]
+    return GRIDS[task]["sgd"]
+
+
+# ------------------------------------------------------------------------------------------------------- running
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _complete(path: Path) -> bool:
+    if not path.exists():
+        return False
+    return any(json.loads(line).get("kind") == "done" for line in path.read_text().splitlines() if line.strip())
+
+
+def _worker_args(task, method, lr, seed, args, out: Path, *, steps=None, extra=()) -> list[str]:
+    return [
+        str(WORKER),
+        "--task", task, "--method", method, "--lr", str(lr), "--seed", str(seed),
+        "--steps", str(steps or args.steps or STEPS[task]), "--eval-every", str(EVAL_EVERY[task]),
+        "--batch", str(args.batch), "--work", str(args.work / "data"), "--out", str(out), *extra,
+    ]  # fmt: skip
+
+
+def run_local(task, method, lr, seed, args, out: Path, **kw) -> None:
+    """4 ranks (2 simulated nodes x 2) on loopback."""
+    if _complete(out):
+        return
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), "--master_addr",
+           "127.0.0.1", "--master_port", str(_free_port())]  # fmt: skip
+    cmd += _worker_args(task, method, lr, seed, args, out, extra=["--nodes", "2"], **kw)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT / "src")}
+    t0 = time.perf_counter()
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"{out.name} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+    print(f"  {out.name}: {time.perf_counter() - t0:.0f} s (load {os.getloadavg()[0]:.1f})", flush=True)
+
+
+def run_testbed(tb, task, method, lr, seed, args, out: Path, **kw) -> None:
+    """2 namespaces x (nproc / 2) ranks over the shaped link."""
+    if _complete(out):
+        return
+    out.unlink(missing_ok=True)
+    argv = _worker_args(task, method, lr, seed, args, out, **kw)
+    runs = tb.launch_torchrun(Path(argv[0]), nproc_per_node=args.nproc // 2, args=argv[1:], timeout=args.timeout,
+                              env={"PYTHONPATH": str(ROOT / "src")})  # fmt: skip
+    if not all(r.ok for r in runs):
+        raise RuntimeError(f"{out.name} failed on the testbed:\n" + "\n".join(r.log[-3000:] for r in runs))
+
+
+def read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def final_metric(records: list[dict], task: str) -> float:
+    key, _, _ = PRIMARY[task]
+    return [r for r in records if r.get("kind") == "eval"][-1][key]
+
+
+# -------------------------------------------------------------------------------------------------------- phases
+def tune(args) -> dict:
+    """Seed 0, each method over its grid on loopback; the best final metric picks the learning rate."""
+    best = {}
+    for task in args.tasks:
+        higher = PRIMARY[task][1]
+        for method in args.methods:
+            scores = {}
+            for lr in grid(task, method):
+                out = args.work / "tune" / f"{task}-{method}-lr{lr:g}.jsonl"
+                out.parent.mkdir(parents=True, exist_ok=True)
+                run_local(task, method, lr, 0, args, out)
+                scores[lr] = final_metric(read(out), task)
+            pick = (max if higher else min)(scores, key=scores.get)
+            best.setdefault(task, {})[method] = {"lr": pick, "grid": scores}
+            print(f"[tune] {task} {method}: {scores} -> {pick:g}", flush=True)
+    (args.work / "tuned.json").write_text(json.dumps(best, indent=1))
+    return best
+
+
+def tuned(args) -> dict:
+    path = args.work / "tuned.json"
+    if not path.exists():
+        raise SystemExit(f"{path} is missing: run the 'tune' phase first")
+    return json.loads(path.read_text())
+
+
+def curves(args) -> None:
+    lrs = tuned(args)
+    for seed in args.seeds:
+        for task in args.tasks:
+            for method in args.methods:
+                out = args.work / "curves" / f"{task}-{method}-seed{seed}.jsonl"
+                out.parent.mkdir(parents=True, exist_ok=True)
+                if seed == 0:  # the tuning run is this run: same task, method, lr, seed and steps
+                    src = args.work / "tune" / f"{task}-{method}-lr{lrs[task][method]['lr']:g}.jsonl"
+                    if _complete(src) and not out.exists():
+                        out.write_text(src.read_text())
+                run_local(task, method, lrs[task][method]["lr"], seed, args, out)
+
+
+def _compute_and_bytes(tb, task, args) -> tuple[float, float]:
+    """Seconds per step of the fp32 method on an unshaped link (nearly all compute), and fp32 bytes per step that
+    leave node 0 through its link."""
+    out = args.work / "calibrate" / f"{task}-fp32.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rx0, tx0 = tb.link_bytes(0)
+    run_testbed(tb, task, "fp32", 1e-3, 0, args, out, steps=args.time_steps, extra=["--no-eval"])
+    rx1, tx1 = tb.link_bytes(0)
+    done = [r for r in read(out) if r.get("kind") == "done"][-1]
+    step_s = statistics.median(done["step_s"][2:])
+    return step_s, (tx1 - tx0) / len(done["step_s"])
+
+
+def calibrate(args) -> dict:
+    """The link rate per task that gives an fp32 step the A100 / 10 GbE communication-to-computation ratio."""
+    import testbed
+
+    rates = {}
+    with testbed.Testbed("ib", nodes=2) as tb:
+        for task in args.tasks:
+            compute_s, nbytes = _compute_and_bytes(tb, task, args)
+            rate = 8 * nbytes / (RATIO[task] * compute_s) / 1e6
+            rates[task] = {"compute_s": compute_s, "fp32_bytes_per_step": nbytes, "ratio": RATIO[task],
+                           "rate_mbit": rate}  # fmt: skip
+            print(
+                f"[calibrate] {task}: {compute_s:.3f} s/step compute, {nbytes / 1e6:.2f} MB fp32 -> {rate:.1f} Mbit/s"
+            )
+    (args.work / "rates.json").write_text(json.dumps(rates, indent=1))
+    return rates
+
+
+def steptime(args) -> None:
+    """Each method's seconds per step on the shaped link (and the fp32 warm-up phase of PowerSGD / 1-bit Adam)."""
+    import testbed
+
+    rates = json.loads((args.work / "rates.json").read_text())
+    lrs = tuned(args)
+    for task in args.tasks:
+        with testbed.Testbed("ethernet", nodes=2, rate_mbit=rates[task]["rate_mbit"]) as tb:
+            for method in args.methods:
+                out = args.work / "steptime" / f"{task}-{method}.jsonl"
+                out.parent.mkdir(parents=True, exist_ok=True)
+                # the warm-up share is set so that both phases get timed steps: half fp32, half compressed
+                run_testbed(tb, task, method, lrs[task][method]["lr"], 0, args, out, steps=args.time_steps,
+                            extra=["--no-eval", "--warmup-frac", "0.5"])  # fmt: skip
+
+
+def validate(args) -> None:
+    """Whole runs on the link (seed 0) for the methods in --validate, to check the composed clock."""
+    import testbed
+
+    rates = json.loads((args.work / "rates.json").read_text())
+    lrs = tuned(args)
+    for task in args.tasks:
+        with testbed.Testbed("ethernet", nodes=2, rate_mbit=rates[task]["rate_mbit"]) as tb:
+            for method in args.validate:
+                out = args.work / "validate" / f"{task}-{method}.jsonl"
+                out.parent.mkdir(parents=True, exist_ok=True)
+                run_testbed(tb, task, method, lrs[task][method]["lr"], 0, args, out)
+
+
+# -------------------------------------------------------------------------------------------------------- report
+def _phase_times(task: str, method: str, args) -> tuple[float, float]:
+    """(seconds per fp32-phase step, seconds per compressed step) on the link, from the steptime run."""
+    rec = [r for r in read(args.work / "steptime" / f"{task}-{method}.jsonl") if r.get("kind") == "done"][-1]
+    s = rec["step_s"]
+    if method.startswith("powersgd") or method == "onebitadam":
+        half = len(s) // 2
+        return statistics.median(s[2:half]), statistics.median(s[half + 2 :])
+    t = statistics.median(s[2:])
+    return t, t
+
+
+def composed_clock(task, method, steps: int, warmup_frac: float, args) -> list[float]:
+    """Seconds of training on the link after each step 0..steps."""
+    fp32_phase, compressed = _phase_times(task, method, args)
+    warm = max(2, round(warmup_frac * steps)) if (method.startswith("powersgd") or method == "onebitadam") else 0
+    clock, t = [0.0], 0.0
+    for s in range(1, steps + 1):
+        t += fp32_phase if s <= warm else compressed
+        clock.append(t)
+    return clock
+
+
+def report(args) -> dict:
+    lrs = tuned(args)
+    result = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"},
+              "rates": json.loads((args.work / "rates.json").read_text()), "tuned": lrs, "tasks": {}}  # fmt: skip
+    for task in args.tasks:
+        key, higher, label = PRIMARY[task]
+        per_method = {}
+        for method in args.methods:
+            runs = [read(args.work / "curves" / f"{task}-{method}-seed{s}.jsonl") for s in args.seeds]
+            runs = [r for r in runs if any(x.get("kind") == "done" for x in r)]
+            if not runs:
+                continue
+            steps = runs[0][0]["steps"]
+            clock = composed_clock(task, method, steps, 0.1, args)
+            evals = [[e for e in r if e.get("kind") == "eval"] for r in runs]
+            points = [e["step"] for e in evals[0]]
+            values = [[e[key] for e in ev] for ev in evals]
+            mean = [statistics.mean(v[i] for v in values) for i in range(len(points))]
+            std = [statistics.pstdev(v[i] for v in values) if len(values) > 1 else 0.0 for i in range(len(points))]
+            per_method[method] = {"steps": points, "seconds": [clock[p] for p in points], "mean": mean, "std": std,
+                                  "final": [v[-1] for v in values], "seeds": len(runs), "lr": lrs[task][method]["lr"],
+                                  "s_per_step": _phase_times(task, method, args)}  # fmt: skip
+        ref = per_method.get("fp32")
+        target = None
+        if ref:
+            final = statistics.mean(ref["final"])
+            target = 0.95 * final if higher else final / 0.95
+        budget = min(m["seconds"][-1] for m in per_method.values()) if per_method else None
+        for m in per_method.values():
+            reached = [t for t, v in zip(m["seconds"], m["mean"]) if target is not None and
+                       (v >= target if higher else v <= target)]  # fmt: skip
+            m["time_to_target_s"] = reached[0] if reached else None
+            at = [v for t, v in zip(m["seconds"], m["mean"]) if t <= budget]
+            m["at_budget"] = at[-1] if at else None
+        result["tasks"][task] = {"metric": key, "label": label, "target": target, "budget_s": budget,
+                                 "methods": per_method}  # fmt: skip
+        for method in args.validate:
+            path = args.work / "validate" / f"{task}-{method}.jsonl"
+            ev = [e for e in read(path) if e.get("kind") == "eval"]
+            if ev and method in per_method:
+                comp = composed_clock(task, method, ev[0]["steps"], 0.1, args)
+                result["tasks"][task].setdefault("validation", {})[method] = [
+                    {"step": e["step"], "measured_s": e["train_s"], "composed_s": comp[e["step"]], key: e[key]}
+                    for e in ev
+                ]
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / "tta.json").write_text(json.dumps(result, indent=1))
+    (args.results / "tta_table.md").write_text(table(result))
+    if not args.no_plots:
+        plot(result, args.results / "tta.png")
+    print(table(result))
+    return result
+
+
+def table(result: dict) -> str:
+    lines = []
+    for task, t in result["tasks"].items():
+        lines.append(f"**{task}** ({t['label']}; target = 95% of DDP fp32's final: {t['target']:.2f}; "
+                     f"budget {t['budget_s']:.0f} s)\n")  # fmt: skip
+        lines.append(
+            "| method | lr | s/step (fp32 phase, compressed) | time to target (s) | at budget | final (mean ± std) |"
+        )
+        lines.append("|---|---:|---:|---:|---:|---:|")
+        for method, m in t["methods"].items():
+            tt = "not reached" if m["time_to_target_s"] is None else f"{m['time_to_target_s']:.0f}"
+            fin = m["final"]
+            spread = statistics.pstdev(fin) if len(fin) > 1 else 0.0
+            lines.append(f"| {LABELS[method]} | {m['lr']:g} | {m['s_per_step'][0]:.2f}, {m['s_per_step'][1]:.2f} | "
+                         f"{tt} | {m['at_budget']:.2f} | {statistics.mean(fin):.2f} ± {spread:.2f} |")  # fmt: skip
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = list(result["tasks"])
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        t = result["tasks"][task]
+        for method, m in t["methods"].items():
+            lo = [a - b for a, b in zip(m["mean"], m["std"])]
+            hi = [a + b for a, b in zip(m["mean"], m["std"])]
+            ax.plot(m["seconds"], m["mean"], label=LABELS[method], color=COLORS[method])
+            ax.fill_between(m["seconds"], lo, hi, color=COLORS[method], alpha=0.15)
+        if t["target"] is not None:
+            ax.axhline(t["target"], color="grey", ls="--", lw=0.8, label="95% of fp32's final")
+        ax.set(title=task, xlabel="training seconds on the emulated link (evaluation excluded)", ylabel=t["label"])
+        if not PRIMARY[task][1]:
+            ax.set_yscale("log")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# ----------------------------------------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("phase", choices=("calibrate", "tune", "curves", "steptime", "validate", "report", "all"))
+    ap.add_argument("--tasks", nargs="+", default=["qa", "image"], choices=tuple(PRIMARY))
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--steps", type=int, default=None, help="steps per run (default: per task, STEPS)")
+    ap.add_argument("--time-steps", type=int, default=24, help="timed steps per method in calibrate/steptime")
+    ap.add_argument("--validate", nargs="*", default=["birder-h", "powersgd-r4"])
+    ap.add_argument("--batch", type=int, default=8, help="samples per process per step")
+    ap.add_argument("--nproc", type=int, default=4, help="processes (2 nodes x nproc/2)")
+    ap.add_argument("--timeout", type=float, default=7200)
+    ap.add_argument("--work", type=Path, default=ROOT / "outputs" / "tta")
+    ap.add_argument("--results", type=Path, default=ROOT / "docs" / "results")
+    ap.add_argument("--no-plots", action="store_true")
+    args = ap.parse_args(argv)
+    args.work.mkdir(parents=True, exist_ok=True)
+    phases = ["calibrate", "tune", "curves", "steptime", "validate", "report"] if args.phase == "all" else [args.phase]
+    for phase in phases:
+        print(f"== {phase}", flush=True)
+        globals()[phase](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,314 @@
+# /// script
+# requires-python = ">=3.10"
+# dependencies = ["birder-hf[recipes]"]
+# ///
+"""Train a GPT-2-style causal language model with Birder through the HF Trainer: DDP or 1-bit HSDP.
+
+Offline by default: the text is the Python standard library's own source (every Python ships it; tests and
+site-packages left out, ~12 MB), with a byte-level BPE tokenizer trained here, a fixed train/validation split by file
+name (recorded with each file's SHA-256 in ``data_manifest.json``) and validation perplexity in ``all_results.json``.
+
+    # CPU, 4 processes as 2 simulated nodes x 2: FSDP2 inside each node, Birder's 1 bit across the nodes
+    torchrun --standalone --nproc_per_node 4 recipes/causal_lm.py --sharding hsdp --num_nodes 2
+    # the same with DDP (every rank holds the whole model; hierarchical 1-bit all-reduce)
+    torchrun --standalone --nproc_per_node 4 recipes/causal_lm.py --num_nodes 2
+    # baselines: --optimizer adamw (HSDP: native HSDP, full precision across nodes; DDP: fp32 all-reduce),
+    # --optimizer onebitadam (DDP only)
+    # GPUs, 4 nodes x 8, GPT-2 (124M) from the Hub with 1-bit HSDP:
+    accelerate launch --config_file accelerate_configs/multi_node_4x8.yaml --machine_rank $NODE_RANK \\
+        --main_process_ip $MASTER recipes/causal_lm.py --model_name_or_path gpt2 --sharding hsdp --bf16 \\
+        --block_size 1024 --per_device_train_batch_size 8 --max_steps 20000 --output_dir outputs/gpt2_hsdp
+
+Any `TrainingArguments` flag works; a single .json or .yaml argument is read as the whole configuration.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+    HfArgumentParser,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+    default_data_collator,
+)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from stdlib_text import read_split, stdlib_corpus, token_blocks, train_bpe_tokenizer  # noqa: E402
+
+from birder_hf.base import local_tensor, unwrap_optimizer  # noqa: E402
+from birder_hf.integrations.accelerate import check_really_distributed  # noqa: E402
+from birder_hf.integrations.transformers import BirderArguments, BirderTrainer, HSDPTrainer  # noqa: E402
+
+logger = logging.getLogger("causal_lm")
+
+MODEL_CONFIGS = {
+    "tiny": dict(n_embd=128, n_layer=4, n_head=4),  # ~1.3M parameters with a 4096-token vocabulary
+    "small": dict(n_embd=256, n_layer=6, n_head=8),  # ~5.8M
+    "gpt2": dict(n_embd=768, n_layer=12, n_head=12),  # GPT-2 small's shape (124M with its 50257 tokens)
+}
+
+# Without --learning_rate: Birder 5e-4, the best of 2e-3 / 5e-4 / 2e-4 on this task (at 2e-3 it stalls at the unigram
+# level: docs/results/hsdp_lr_check_birder_*.json); AdamW and 1-bit Adam (its Adam warm-up) 2e-3.
+DEFAULT_LR = {"birder": 5e-4, "adamw": 2e-3, "onebitadam": 2e-3}
+
+RECIPE_DEFAULTS = {
+    "output_dir": "outputs/causal_lm",
+    "max_steps": 150,
+    "weight_decay": 0.01,
+    "per_device_train_batch_size": 8,
+    "per_device_eval_batch_size": 32,
+    "warmup_steps": 20,
+    "lr_scheduler_type": "cosine",
+    "logging_steps": 10,
+    "eval_strategy": "steps",
+    "eval_steps": 50,
+    "save_strategy": "no",
+    "report_to": "none",
+    "seed": 42,
+    "ddp_find_unused_parameters": False,
+}
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Pretrained model (Hub name or local path); offline default: --model_config."}
+    )
+    model_config: str = field(default="tiny", metadata={"help": "Random-init GPT-2 shape: tiny | small | gpt2."})
+
+    def __post_init__(self):
+        if self.model_config not in MODEL_CONFIGS:
+            raise ValueError(f"--model_config must be one of {sorted(MODEL_CONFIGS)}, got {self.model_config!r}")
+
+
+@dataclass
+class DataArguments:
+    block_size: int = field(default=128, metadata={"help": "Tokens per training example."})
+    vocab_size: int = field(default=4096, metadata={"help": "BPE vocabulary trained here (no --model_name_or_path)."})
+    validation_percent: int = field(default=5, metadata={"help": "Share of the stdlib files held out, by file name."})
+    max_eval_blocks: int = field(default=512, metadata={"help": "Validation blocks evaluated (evenly spaced)."})
+    max_files: int | None = field(
+        default=None, metadata={"help": "Use only the first N files of each split (smoke tests, debugging)."}
+    )
+    cache_dir: str | None = field(
+        default=None, metadata={"help": "Where the tokenizer and token blocks are cached (default: output_dir/data)."}
+    )
+
+    def __post_init__(self):
+        if self.block_size < 8 or self.vocab_size < 300:
+            raise ValueError("--block_size must be >= 8 and --vocab_size >= 300 (the byte alphabet is 256 tokens).")
+
+
+@dataclass
+class OptimizerArguments(BirderArguments):
+    optimizer: str = field(
+        default="birder", metadata={"help": "birder | onebitadam (DDP only) | adamw (the uncompressed baseline)."}
+    )
+
+    optimizers = ("birder", "onebitadam", "adamw")
+
+
+def parse_args(argv=None):
+    parser = HfArgumentParser((ModelArguments, DataArguments, OptimizerArguments, TrainingArguments))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
+        loader = parser.parse_json_file if argv[0].endswith(".json") else parser.parse_yaml_file
+        return loader(os.path.abspath(argv[0]))
+    parser.set_defaults(**RECIPE_DEFAULTS, **({} if torch.cuda.is_available() else {"use_cpu": True}))
+    model_args, data_args, opt_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    if not any(a == "--learning_rate" or a.startswith("--learning_rate=") for a in argv):
+        training_args.learning_rate = DEFAULT_LR[opt_args.optimizer]
+    return model_args, data_args, opt_args, training_args
+
+
+def build_data(model_args, data_args, training_args):
+    """Tokenizer, train and validation blocks (cached), and the corpus manifest."""
+    corpus = stdlib_corpus(data_args.validation_percent)
+    if data_args.max_files:
+        files = corpus["files"]
+        split = {s: [f for f in files if f["split"] == s][: data_args.max_files] for s in ("train", "validation")}
+        corpus["files"] = split["train"] + split["validation"]
+    tokenizer_name = model_args.model_name_or_path
+    key = hashlib.sha256(
+        json.dumps([corpus["files"], tokenizer_name, data_args.vocab_size, data_args.block_size]).encode()
+    ).hexdigest()[:16]
+    folder = os.path.join(data_args.cache_dir or os.path.join(training_args.output_dir, "data"), f"stdlib-{key}")
+    with training_args.main_process_first(desc="tokenizing the standard library"):
+        if not os.path.isfile(os.path.join(folder, "blocks.pt")):
+            os.makedirs(folder, exist_ok=True)
+            train_texts = read_split(corpus, "train")
+            if tokenizer_name:
+                tokenizer = AutoTokenizer.from_pretrained(tokenizer_name)
+                tokenizer.save_pretrained(folder)
+            else:
+                tokenizer = train_bpe_tokenizer(train_texts, data_args.vocab_size, out_dir=folder)
+            blocks = {
+                "train": token_blocks(tokenizer, train_texts, data_args.block_size),
+                "validation": token_blocks(tokenizer, read_split(corpus, "validation"), data_args.block_size),
+            }
+            tmp = os.path.join(folder, f".blocks-{os.getpid()}.pt")
+            torch.save(blocks, tmp)
+            with open(os.path.join(folder, "data_manifest.json"), "w") as f:
+                json.dump({k: v for k, v in corpus.items() if k != "root"}, f, indent=1)
+            os.replace(tmp, os.path.join(folder, "blocks.pt"))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    blocks = torch.load(os.path.join(folder, "blocks.pt"), weights_only=True)
+    val = blocks["validation"]
+    if len(val) > data_args.max_eval_blocks:
+        val = val[torch.linspace(0, len(val) - 1, data_args.max_eval_blocks).long()]
+    return tokenizer, _dataset(blocks["train"]), _dataset(val), folder
+
+
+def _dataset(blocks):
+    from datasets import Dataset
+
+    return Dataset.from_dict({"input_ids": blocks.tolist(), "labels": blocks.tolist()}).with_format("torch")
+
+
+def build_model(model_args, data_args, tokenizer):
+    if model_args.model_name_or_path:
+        return AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path)
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=data_args.block_size,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **MODEL_CONFIGS[model_args.model_config],
+    )
+    return GPT2LMHeadModel(config)
+
+
+class MemoryCounter(TrainerCallback):
+    """Bytes this rank holds right after its first optimizer step, counted tensor by tensor: parameters, gradients,
+    optimizer state and Birder's communication buffers (deterministic; allocator overhead, activations and DDP's
+    gradient buckets are left out)."""
+
+    def __init__(self, trainer):
+        self.trainer, self.bytes = trainer, None
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if self.bytes is not None:
+            return
+        model, opt = self.trainer.model, unwrap_optimizer(self.trainer.optimizer)
+
+        def size(tensors):
+            seen, total = set(), 0
+            for t in tensors:
+                t = local_tensor(t)
+                if t.untyped_storage().data_ptr() not in seen:
+                    seen.add(t.untyped_storage().data_ptr())
+                    total += t.untyped_storage().nbytes()
+            return total
+
+        hook = getattr(self.trainer, "birder_hook_state", None)
+        self.bytes = {
+            "memory/param_bytes": size(model.parameters()),
+            "memory/grad_bytes": size(p.grad for p in model.parameters() if p.grad is not None),
+            "memory/optimizer_state_bytes": size(
+                v for s in opt.state.values() for k, v in s.items() if torch.is_tensor(v) and k != "step"
+            ),
+            "memory/comm_buffer_bytes": hook.buffer_bytes() if hasattr(hook, "buffer_bytes") else 0,
+        }
+
+
+def build_trainer(opt_args, **kwargs):
+    if opt_args.optimizer in ("birder", "onebitadam"):
+        return BirderTrainer(birder_args=opt_args, **kwargs)
+    if opt_args.sharding == "hsdp":
+        return HSDPTrainer(num_nodes=opt_args.num_nodes, **kwargs)  # native HSDP: fp32 across the nodes
+    return Trainer(**kwargs)  # AdamW with DDP's fp32 all-reduce
+
+
+def train(model_args, data_args, opt_args, training_args):
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    if not training_args.should_log:
+        logging.getLogger().setLevel(logging.WARNING)
+    check_really_distributed(training_args.world_size)
+    if opt_args.optimizer == "onebitadam" and opt_args.sharding == "hsdp":
+        raise ValueError("--optimizer onebitadam runs with DDP only; drop --sharding hsdp.")
+    logger.info(
+        "world size %d, optimizer %s, sharding %s", training_args.world_size, opt_args.optimizer, opt_args.sharding
+    )
+    tokenizer, train_set, eval_set, data_folder = build_data(model_args, data_args, training_args)
+    torch.manual_seed(training_args.seed)
+    model = build_model(model_args, data_args, tokenizer)
+    trainer = build_trainer(
+        opt_args,
+        model=model,
+        args=training_args,
+        train_dataset=train_set,
+        eval_dataset=eval_set,
+        data_collator=default_data_collator,
+        processing_class=tokenizer,
+    )
+    memory = MemoryCounter(trainer)
+    trainer.add_callback(memory)
+    train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    metrics = dict(train_result.metrics)
+    metrics.update(trainer.evaluate())
+    metrics["eval_perplexity"] = math.exp(metrics["eval_loss"])
+    metrics.update(memory.bytes or {})
+    metrics.update(
+        world_size=training_args.world_size,
+        optimizer=opt_args.optimizer,
+        sharding=opt_args.sharding,
+        num_parameters=sum(p.numel() for p in model.parameters()),
+        train_blocks=len(train_set),
+        eval_blocks=len(eval_set),
+    )
+    state = getattr(trainer, "birder_hook_state", None)
+    if state is not None:
+        metrics.update(state.stats.as_dict("comm/"))
+        metrics["comm/topology"] = repr(state.topology)
+        metrics["comm/method"] = opt_args.method
+    trainer.save_model()  # save_pretrained: config, weights (safetensors), tokenizer
+    trainer.save_metrics("all", metrics)  # all_results.json
+    trainer.save_state()
+    if trainer.is_world_process_zero():
+        with open(os.path.join(data_folder, "data_manifest.json")) as f:
+            manifest = json.load(f)
+        with open(os.path.join(training_args.output_dir, "data_manifest.json"), "w") as f:
+            json.dump(manifest, f, indent=1)
+    card = dict(finetuned_from=model_args.model_name_or_path, tasks="text-generation", dataset="Python stdlib source")
+    if training_args.push_to_hub:
+        trainer.push_to_hub(**card)
+    else:
+        trainer.create_model_card(**card)
+    if trainer.is_world_process_zero():
+        _summary(metrics)
+    return metrics
+
+
+def _summary(m):
+    line = (
+        f"validation perplexity {m['eval_perplexity']:.2f} (loss {m['eval_loss']:.3f}); {m['optimizer']}, "
+        f"{m['sharding']}, world size {m['world_size']}"
+    )
+    if "comm/fp32_allreduce_bytes" in m:
+        line += (
+            f"\nbytes sent per rank: inter-node {m['comm/inter_node_bytes'] / 1e6:.2f} MB, intra-node "
+            f"{m['comm/intra_node_bytes'] / 1e6:.2f} MB, instead of {m['comm/fp32_allreduce_bytes'] / 1e6:.1f} MB for "
+            f"an fp32 all-reduce of the same values: {m['comm/compression_ratio']:.1f}x less"
+        )
+    print(line, flush=True)
+
+
+def main(argv=None):
+    return train(*parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,473 @@
+"""1-bit HSDP: FSDP2 inside each node, Birder's 1-bit all-reduce across the nodes.
+
+Paper: `Birder: Communication-Efficient 1-bit Adaptive Optimizer for Practical Distributed DNN
+Training` (Peng et al., NeurIPS 2023) - https://openreview.net/forum?id=Mlo2kM11ZB
+Official code: https://openi.pcl.ac.cn/c2net_optim/Birder
+
+Our extension of the paper (which trains every worker with the whole model; ``docs/ALGORITHM.md`` has the math):
+the model is sharded with FSDP2 (``fully_shard``) on the ``"shard"`` dimension of a 2-D ``(replicate, shard)``
+DeviceMesh, one row of the mesh per node. FSDP's reduce-scatter averages the gradient inside the node in full
+precision; the *node* is Birder's worker. Each rank keeps ``m``, ``b`` for its shard only (EMAs of its node's
+averaged gradient: 8 bytes per parameter divided by the ranks per node) and Birder's 1-bit all-reduce of ``u`` runs
+over the replicate group (the ranks holding the same shard on every node): 1 bit per element of the shard crosses
+the nodes per step, and nothing else does.
+
+Two communicators (``birder_hf.base``):
+
+- :class:`FSDPHookState` (the default, ``in_backward=True``): ``FSDPModule.set_all_reduce_hook`` hands it each FSDP
+  unit's reduce-scatter output during backward; it encodes ``m, b -> u`` into staged buffers and starts the 1-bit
+  all-reduce asynchronously (overlapping the rest of backward); ``optimizer.step()`` waits, agrees with every rank
+  that the step is finite, commits ``m``, ``b`` and applies ``d``. ``.grad`` keeps what FSDP put there (the node's
+  averaged gradient of this shard): the hook does not write ``d`` into the reduce output, because FSDP divides it
+  (fp16 reduce) and casts it to the parameter dtype after the hook returns, before the asynchronous result is there.
+- :class:`birder_hf.communicators.StepAllReduce` (``in_backward=False``): the same exchange inside ``step()``.
+
+Both key each element's random bits by its index in the full flattened parameter (``quantize.BitKeys`` offsets),
+and the drawing worker is the node: the bits depend on the shard layout only through which node draws them.
+
+Supported: FSDP2 (``fully_shard``) on ``mesh["shard"]``, ``Shard(0)`` placements (the default), any number of FSDP
+units, mixed precision, gradient accumulation with ``set_requires_gradient_sync(False)``. A 1-D mesh (FSDP over all
+ranks, no replicate dimension) is accepted: Birder then trains as one worker on the globally averaged gradient,
+nothing to compress (a warning says so). Refused at set-up, with the fix: native 2-D HSDP (``fully_shard`` on the
+2-D mesh: FSDP would all-reduce the gradient across nodes in full precision first), FSDP1, DDP (use
+``attach_ddp_hook``), DeepSpeed, tensor parallel or other DTensor layouts, parameters FSDP does not shard, CPU
+offload, 1-bit Adam.
+
+Usage::
+
+    mesh = init_device_mesh("cuda", (nodes, gpus_per_node), mesh_dim_names=("replicate", "shard"))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    opt = Birder(model.parameters(), lr=1e-3)
+    state = register_birder_fsdp(model, opt, mesh)        # Birder: 1 bit across the nodes
+    ...
+    save_rank_state(opt, ckpt_dir)                        # m, b differ between nodes: one file per rank
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from .base import Update, is_sharded, local_tensor, shard_offset, unwrap_optimizer
+from .collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, _check_method, onebit_all_reduce
+from .communicators import StepAllReduce
+from .hook import BirderHookState
+from .onebit_adam import OneBitAdam
+from .optim import Birder, EncodeOut
+from .topology import Topology
+
+__all__ = ["register_birder_fsdp", "FSDPHookState", "fsdp_units", "hsdp_mesh", "shard_model"]
+
+
+def hsdp_mesh(num_nodes: int, device_type: str = "cuda"):
+    """The 2-D ``(replicate, shard)`` DeviceMesh of ``num_nodes`` nodes over every rank (node-major ranks, as
+    torchrun numbers them). Collective."""
+    world = dist.get_world_size()
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1 or world % num_nodes:
+        raise ValueError(f"num_nodes={num_nodes!r} must be an int >= 1 that divides the world size {world}.")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (num_nodes, world // num_nodes), mesh_dim_names=("replicate", "shard"))
+
+
+def shard_model(model: torch.nn.Module, mesh, *, block_classes=None, **fully_shard_kwargs) -> torch.nn.Module:
+    """Apply ``fully_shard`` on ``mesh`` to every block of ``model``, then to ``model`` itself (in place).
+
+    Blocks are the modules whose class name is in ``block_classes`` (default: a Hugging Face model's
+    ``_no_split_modules``, its transformer layers). For Birder pass ``mesh["shard"]`` (FSDP inside the node); the 2-D
+    mesh itself gives native HSDP (full-precision all-reduce across the nodes: the uncompressed baseline).
+    ``fully_shard_kwargs`` (``mp_policy``, ``reshard_after_forward``, ...) go to every call. Returns ``model``.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    names = set(block_classes if block_classes is not None else getattr(model, "_no_split_modules", None) or ())
+    if not names:
+        raise ValueError(
+            f"shard_model: name the block classes of {type(model).__name__} to shard one by one "
+            "(block_classes=[...]); it has no _no_split_modules."
+        )
+    blocks = [m for m in model.modules() if type(m).__name__ in names and m is not model]
+    if not blocks:
+        raise ValueError(f"shard_model: {type(model).__name__} has no module of the classes {sorted(names)}.")
+    for block in blocks:
+        fully_shard(block, mesh=mesh, **fully_shard_kwargs)
+    fully_shard(model, mesh=mesh, **fully_shard_kwargs)
+    return model
+
+
+class FSDPUnit(NamedTuple):
+    """One FSDP unit (a module ``fully_shard`` was applied to) as its reduce-scatter output lays it out."""
+
+    module: torch.nn.Module
+    params: list  # FSDP's own list of its FSDPParams, in reduce-scatter order (read at every hook call)
+
+    def layout(self) -> list[tuple[torch.Tensor, int]]:
+        """``(sharded parameter, elements it takes in the reduce output)`` for every parameter that requires grad.
+
+        FSDP pads dim 0 of each parameter to a multiple of the shard-group size ``n`` before its reduce-scatter, so
+        each takes ``ceil(rows / n) * (numel / rows)`` elements of the output, its local shard first.
+        """
+        out = []
+        for fp in self.params:
+            p = fp.sharded_param
+            if not p.requires_grad:
+                continue
+            rows = p.shape[0] if p.dim() else 1
+            n = p.device_mesh.size(0)
+            out.append((p, -(-rows // n) * (p.numel() // rows if rows else 0)))
+        return out
+
+
+def fsdp_units(model: torch.nn.Module) -> list[FSDPUnit]:
+    """The FSDP2 units of ``model`` that hold parameters, with FSDP's parameter order (read from torch's FSDP state:
+    the reduce-scatter output of a unit concatenates its parameters in that order, which no public API exposes)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = []
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        try:
+            groups = list(module._get_fsdp_state()._fsdp_param_groups)
+            for fp in (fp for g in groups for fp in g.fsdp_params):
+                fp.sharded_param  # noqa: B018  (fail here, not in the first backward, if torch moved it)
+        except AttributeError as exc:  # pragma: no cover - a torch whose FSDP2 internals moved
+            raise RuntimeError(
+                f"birder_hf.fsdp cannot read this torch version's FSDP2 parameter order ({exc}); register with "
+                "in_backward=False (the 1-bit all-reduce then runs in optimizer.step())."
+            ) from exc
+        if len(groups) > 1:
+            raise ValueError(
+                f"{type(module).__name__} has {len(groups)} FSDP parameter groups (shard_placement_fn with per-"
+                "parameter meshes); Birder needs one per fully_shard call: drop shard_placement_fn."
+            )
+        if groups and groups[0].fsdp_params:
+            units.append(FSDPUnit(module, groups[0].fsdp_params))
+    return units
+
+
+class FSDPHookState(BirderHookState):
+    """State of Birder's FSDP2 all-reduce hook: the 1-bit exchange of each FSDP unit's shard across the nodes.
+
+    Built by :func:`register_birder_fsdp`. The statistics (``stats``, ``last_step_stats``, ``steps_communicated``,
+    ``skipped_steps``) are those of every hook state; all bytes count as inter-node.
+
+    Args:
+        optimizer (`Birder`): the optimizer of the sharded parameters.
+        topology (`Topology`): this rank's replicas, ``Topology.from_replicate_dim(mesh)``.
+        method, inter_method, chunk_numel, check_finite: as for :class:`birder_hf.BirderHookState`.
+        agree_group (`ProcessGroup`): every rank of the mesh (skipped steps are agreed by all shards).
+    """
+
+    hook_name = "birder_fsdp_hook"
+    wrapped_name = "the FSDP model"
+    # FSDP reduce-scatters every unit's gradient (zeros for a parameter no rank used): not a DDP bucket's question
+    skip_unused = False
+
+    __slots__ = ("_u", "_futures", "_directions")
+
+    def __init__(self, optimizer: Birder, topology: Topology, method: str = DEFAULT_METHOD, **kwargs):
+        self._u: dict[int, torch.Tensor] = {}  # unit index -> its u / d buffer, reused every step
+        self._futures: list = []
+        self._directions: dict[torch.Tensor, torch.Tensor] = {}  # param -> d of its shard (a view of a buffer)
+        super().__init__(optimizer, topology, method, **kwargs)
+
+    @property
+    def description(self) -> str:
+        k = self.topology.num_nodes
+        return f"1-bit {self.method} FSDP hook across {k} node{'s' if k != 1 else ''}"
+
+    def buffer_bytes(self) -> int:
+        """Bytes of the buffers kept between steps: staged ``m``, ``b`` and each unit's ``u`` (this rank's shard)."""
+        return super().buffer_bytes() + sum(u.nbytes for u in self._u.values())
+
+    def _unit_buffer(self, index: int, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+        buf = self._u.get(index)
+        if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != device:
+            buf = self._u[index] = torch.empty(numel, dtype=dtype, device=device)
+        return buf
+
+    def reduce(self, index: int, unit: FSDPUnit, reduce_output: torch.Tensor) -> None:
+        """The hook body for unit ``index``: encode its shard of the node-averaged gradient, start the all-reduce."""
+        opt, layout = self.optimizer, unit.layout()
+        expected = sum(n for _, n in layout)
+        if reduce_output.numel() != expected:
+            raise RuntimeError(
+                f"birder_fsdp_hook: {type(unit.module).__name__}'s reduce-scatter output has {reduce_output.numel()} "
+                f"elements, its parameters that require grad take {expected}. Did requires_grad change after "
+                "register_birder_fsdp, did a parameter get no gradient (a torch without "
+                "set_reduce_scatter_unused_params leaves it out), or was set_reduce_scatter_unused_params(False) "
+                "called?"
+            )
+        params, grads, offset = [], [], 0
+        for p, taken in layout:
+            if opt.group_of(p) is None:
+                raise RuntimeError(
+                    f"An FSDP parameter of shape {tuple(p.shape)} is not in the Birder optimizer; build the optimizer "
+                    "from the sharded model's parameters (after fully_shard) and pass that model to "
+                    "register_birder_fsdp."
+                )
+            if p in self._pending:
+                raise RuntimeError(
+                    "birder_fsdp_hook saw the same parameter twice before optimizer.step(): for gradient accumulation "
+                    "call model.set_requires_gradient_sync(False) for the micro-batches before the last."
+                )
+            x = local_tensor(p)
+            params.append(p)
+            grads.append(reduce_output[offset : offset + x.numel()].view(x.shape))
+            offset += taken
+        work = torch.float64 if reduce_output.dtype == torch.float64 else torch.float32
+        u = self._unit_buffer(index, sum(g.numel() for g in grads), work, reduce_output.device)
+        steps, at = [], 0
+        by_group: dict[int, tuple[dict, list, list, list]] = {}
+        for p, g in zip(params, grads):
+            group = opt.group_of(p)
+            steps.append(int(opt.init_state(p, group)["step"]) + 1)
+            ps, gs, us = by_group.setdefault(id(group), (group, [], [], []))[1:]
+            ps.append(p)
+            gs.append(g)
+            us.append(u[at : at + g.numel()].view(g.shape))
+            self._directions[p] = us[-1]
+            at += g.numel()
+        for group, ps, gs, us in by_group.values():
+            bufs = [self._buffers(p, opt.state[p], group["amsgrad"]) for p in ps]
+            maxes = [b.max_exp_avg_abs for b in bufs] if group["amsgrad"] else None
+            opt.encode(
+                group, ps, gs, out=EncodeOut([b.exp_avg for b in bufs], [b.exp_avg_abs for b in bufs], maxes, us)
+            )
+            for p, b in zip(ps, bufs):
+                self._stage(p, group, b)
+        if self.check_finite:
+            self._flag_nonfinite(u)  # u = m / b is NaN exactly where the gradient was not finite
+        self._futures.append(
+            onebit_all_reduce(
+                u,
+                topology=self.topology,
+                method=self.method,
+                inter_method=self.inter_method,
+                keys=opt.bit_keys(params, steps),
+                async_op=True,
+                chunk_numel=self.chunk_numel,
+                stats=self._step_stats,
+                out=u,
+            )
+        )
+
+    def finish_step(self) -> list[Update] | None:
+        """Wait for the exchanges, agree the step is finite, commit ``m``, ``b`` and hand ``d`` to ``step()``."""
+        futures, directions = self._futures, self._directions
+        self._futures, self._directions = [], {}
+        for fut in futures:  # every exchange ends before anything else: the next step reuses the buffers
+            fut.wait()
+        updates = super().finish_step()
+        if updates is None:
+            return None
+        return [Update(group, params, [directions[p] for p in params]) for group, params, _ in updates]
+
+
+def _refuse_wrappers(model) -> torch.nn.Module:
+    """``model`` with ``torch.compile``'s wrapper removed; refuses DDP, FSDP1 and DeepSpeed with the fix."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    inner = getattr(model, "_orig_mod", model)
+    name = type(inner).__name__
+    if isinstance(inner, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(
+            "register_birder_fsdp got a DistributedDataParallel model; for DDP register the 1-bit DDP hook with "
+            "birder_hf.hook.attach_ddp_hook(model, optimizer) (or register_birder_hook under accelerate)."
+        )
+    if isinstance(inner, FullyShardedDataParallel) or any(
+        isinstance(m, FullyShardedDataParallel) for m in inner.modules()
+    ):
+        raise TypeError(
+            "register_birder_fsdp supports FSDP2 (torch.distributed.fsdp.fully_shard), not FSDP1 "
+            "(FullyShardedDataParallel); wrap the model with fully_shard(module, mesh=mesh['shard']) instead "
+            "(accelerate: fsdp_version: 2)."
+        )
+    if "DeepSpeed" in name:
+        raise TypeError(
+            "Birder does not run under DeepSpeed (ZeRO shards and reduces gradients itself); use FSDP2 with "
+            "register_birder_fsdp, or DDP with the 1-bit DDP hook."
+        )
+    return inner
+
+
+def _shard_grid(mesh) -> list[list[int]]:
+    """``grid[node][local]`` of a 2-D (replicate, shard) mesh, or the one row of a 1-D mesh (FSDP over all ranks)."""
+    ndim = getattr(mesh, "ndim", None)
+    if ndim not in (1, 2) or not hasattr(mesh, "mesh"):
+        raise ValueError(
+            f"register_birder_fsdp needs the 2-D (replicate, shard) DeviceMesh the model was sharded on, got "
+            f"{type(mesh).__name__}{'' if ndim is None else f' of {ndim} dimensions'}; build it with "
+            'init_device_mesh(device, (num_nodes, ranks_per_node), mesh_dim_names=("replicate", "shard")).'
+        )
+    grid = mesh.mesh.tolist()
+    return grid if ndim == 2 else [grid]
+
+
+def _check_model(model, optimizer: Birder, grid: list[list[int]]) -> None:
+    """Every trainable parameter: a Shard(0) DTensor of FSDP on this rank's node row, owned by the optimizer."""
+    rank = dist.get_rank()
+    row = next((r for r in grid if rank in r), None)
+    if row is None or sum(len(r) for r in grid) != dist.get_world_size():
+        raise ValueError(
+            f"The mesh {grid} must cover every rank of the default process group ({dist.get_world_size()}), once."
+        )
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        where = f"parameter {name!r} (shape {tuple(p.shape)})"
+        if not is_sharded(p):
+            raise ValueError(
+                f"{where} is not sharded by FSDP2 (ignored_params, or a module fully_shard did not reach): its "
+                "gradient would stay rank-local. Apply fully_shard to the root module too, or freeze it."
+            )
+        mesh = p.device_mesh
+        if mesh.ndim != 1:
+            raise ValueError(
+                f"{where} lives on a {mesh.ndim}-D mesh with placements {p.placements}: native 2-D HSDP "
+                "(fully_shard(..., mesh=mesh)) all-reduces gradients across the replicate dimension in full "
+                "precision before Birder sees them, and tensor parallel is not supported. Shard on the node only: "
+                "fully_shard(module, mesh=mesh['shard']) for every unit (birder_hf.fsdp.shard_model(model, "
+                "mesh['shard'])); with the HF Trainer use BirderArguments(sharding='hsdp'), which does it."
+            )
+        ranks = mesh.mesh.tolist()
+        if ranks != row:
+            raise ValueError(
+                f"{where} is sharded over ranks {ranks}, but this rank's node in the mesh holds {row}: shard with "
+                "fully_shard(module, mesh=mesh['shard']) on the mesh passed to register_birder_fsdp."
+            )
+        if p.device.type != mesh.device_type:
+            raise ValueError(
+                f"{where} is on {p.device} but the mesh is on {mesh.device_type}: FSDP's CPU offload is not "
+                "supported by Birder (its m, b and u live with the reduce-scatter output); drop offload_policy."
+            )
+        shard_offset(p)  # raises for placements other than Shard(0)
+        if optimizer.group_of(p) is None:
+            raise ValueError(
+                f"{where} requires grad but is not in the Birder optimizer; build the optimizer from the sharded "
+                "model's parameters, after fully_shard."
+            )
+
+
+def register_birder_fsdp(
+    model: torch.nn.Module,
+    optimizer,
+    mesh,
+    *,
+    method: str = DEFAULT_METHOD,
+    inter_method: str = DEFAULT_INTER_METHOD,
+    chunk_numel: int | None = None,
+    check_finite: bool = True,
+    in_backward: bool = True,
+):
+    """Train an FSDP2-sharded ``model`` with Birder: full precision inside a node, 1 bit across the nodes.
+
+    Args:
+        model (`torch.nn.Module`): wrapped with ``fully_shard(..., mesh=mesh["shard"])`` (per block, and on the root);
+            ``torch.compile``-d or not.
+        optimizer (`Birder`, or a framework's wrapper of it): built from ``model``'s (sharded) parameters.
+        mesh (`DeviceMesh`): the 2-D ``(replicate, shard)`` mesh (dimension 0: the nodes; dimension 1: the ranks of a
+            node), or a 1-D mesh of all ranks (FSDP without a replicate dimension: nothing to compress, see the
+            module docstring).
+        method (`str`, *optional*, defaults to `"hierarchical"`): the 1-bit all-reduce across the nodes
+            (``onebit_all_reduce``); each node is one rank of it, so ``"hierarchical"`` and ``"allgather"`` give the
+            exact mean of the nodes' votes ((k-1)/8 bytes per shard element for k nodes), ``"scatter_gather"`` a
+            re-quantized ±1 (about 2/8 bytes per shard element).
+        inter_method, chunk_numel, check_finite: as for :class:`birder_hf.BirderHookState`.
+        in_backward (`bool`, *optional*, defaults to `True`): run the exchange in FSDP's all-reduce hook during
+            backward (overlapping it); ``False`` runs it in ``optimizer.step()`` (same result, no overlap).
+
+    Returns:
+        The communicator: :class:`FSDPHookState` (``in_backward=True``) or
+        :class:`birder_hf.communicators.StepAllReduce`; both have ``stats`` (bytes sent, all inter-node).
+
+    Collective: every rank calls it, in the same order as its other process-group creations.
+    """
+    _check_method(method, inter_method)
+    opt = unwrap_optimizer(optimizer)
+    if isinstance(opt, OneBitAdam):
+        raise TypeError(
+            "1-bit Adam on FSDP shards is not implemented (its error feedback is per worker); use Birder, or 1-bit "
+            "Adam with DDP (attach_ddp_hook)."
+        )
+    if not isinstance(opt, Birder):
+        raise TypeError(f"register_birder_fsdp needs a birder_hf.Birder optimizer, got {type(opt).__name__}.")
+    if opt.communicator is not None:
+        raise ValueError(
+            f"This Birder optimizer already has a communicator ({type(opt.communicator).__name__}): call "
+            "register_birder_fsdp once per model and optimizer, and do not also pass process_group=/topology=."
+        )
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("register_birder_fsdp needs torch.distributed to be initialized (init_process_group).")
+    from torch.distributed import fsdp as torch_fsdp
+
+    if in_backward and not hasattr(getattr(torch_fsdp, "FSDPModule", None), "set_all_reduce_hook"):
+        raise RuntimeError(
+            f"torch {torch.__version__} has no FSDPModule.set_all_reduce_hook (torch >= 2.7 has); upgrade torch, or "
+            "pass in_backward=False to run the 1-bit all-reduce in optimizer.step()."
+        )
+    inner = _refuse_wrappers(model)
+    grid = _shard_grid(mesh)
+    _check_model(inner, opt, grid)
+    units = fsdp_units(inner) if in_backward else []
+    if in_backward and not units:
+        raise ValueError(
+            "register_birder_fsdp found no FSDP2 module with parameters in the model; wrap it with "
+            "fully_shard(module, mesh=mesh['shard']) per block and on the root first."
+        )
+    if len(grid) == 1:
+        warnings.warn(
+            "register_birder_fsdp: the mesh has no replicate dimension, so FSDP's full-precision reduce-scatter "
+            "already spans every rank and nothing is left to send in 1 bit; Birder trains as one worker on the "
+            "averaged gradient (d = Q(u)). For 1 bit across nodes, shard on the 'shard' dimension of a 2-D "
+            "(replicate, shard) mesh.",
+            UserWarning,
+            stacklevel=2,
+        )
+    # Every rank builds the same groups in the same order: the replicas of each shard, then all ranks (agreement).
+    topology = Topology.from_replicate_dim(mesh)
+    everyone = dist.new_group(list(range(dist.get_world_size())))
+    if not in_backward:
+        communicator = StepAllReduce(
+            topology=topology, method=method, inter_method=inter_method, chunk_numel=chunk_numel, agree_group=everyone
+        )
+        communicator.attach(opt)
+        return communicator
+    state = FSDPHookState(
+        opt,
+        topology,
+        method,
+        inter_method=inter_method,
+        chunk_numel=chunk_numel,
+        check_finite=check_finite,
+        agree_group=everyone,
+    )
+    try:
+        for index, unit in enumerate(units):
+            # include the zero gradients of unused parameters, so every unit's output has its full layout (older
+            # torch has no such switch: a unit with an unused parameter then fails with a clear error in backward)
+            if hasattr(unit.module, "set_reduce_scatter_unused_params"):
+                unit.module.set_reduce_scatter_unused_params(True, recurse=False)
+            unit.module.set_all_reduce_hook(_UnitHook(state, index, unit))
+    except BaseException:
+        state.detach()
+        raise
+    return state
+
+
+class _UnitHook:
+    """The callable FSDP calls with one unit's reduce-scatter output (``hook(reduce_output) -> None``)."""
+
+    __slots__ = ("state", "index", "unit")
+
+    def __init__(self, state: FSDPHookState, index: int, unit: FSDPUnit):
+        self.state, self.index, self.unit = state, index, unit
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        self.state.reduce(self.index, self.unit, reduce_output)

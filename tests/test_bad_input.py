@@ -1,0 +1,635 @@
+"""Bad input, one row per case (issue 19): the error type, a message that names the argument and says how to fix it,
+and nothing changed (optimizer state, parameters, files). Two-rank cases fail on every rank, with the same message,
+within seconds. ``docs/VALIDATION.md`` lists what is validated where.
+
+Each single-process row runs against a fresh ``Env``: a tiny model, a Birder stepped twice (so there is state to
+damage), a gradient ready for the next step, and a per-rank checkpoint on disk.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import run_distributed
+
+from birder_hf import Birder, BirderHookState, OneBitAdam, Topology, onebit_all_reduce
+from birder_hf.checkpoint import load_rank_state, save_rank_state
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Env:
+    def __init__(self, folder):
+        torch.manual_seed(0)
+        self.model = torch.nn.Linear(4, 3)
+        self.opt = Birder(self.model.parameters(), lr=0.1, weight_decay=0.1, seed=1)
+        for _ in range(2):
+            self.model(torch.randn(8, 4)).square().mean().backward()
+            self.opt.step()
+            self.opt.zero_grad()
+        self.dir = str(folder)
+        save_rank_state(self.opt, self.dir, rank=0, world_size=1)
+        self.model(torch.randn(8, 4)).square().mean().backward()  # a step is ready: a failure could half-apply it
+
+    def state_dict(self):
+        return copy.deepcopy(self.opt.state_dict())
+
+    def snapshot(self):
+        files = {}
+        for base, _, names in os.walk(self.dir):
+            for name in names:
+                with open(os.path.join(base, name), "rb") as f:
+                    files[os.path.relpath(os.path.join(base, name), self.dir)] = f.read()
+        return (
+            [p.detach().clone() for p in self.model.parameters()],
+            [p.grad.clone() for p in self.model.parameters()],
+            self.state_dict(),
+            copy.deepcopy(self.opt.param_groups[0] | {"params": None}),
+            files,
+        )
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _recipe(name):
+    key = f"_recipe_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, os.path.join(ROOT, "recipes", f"{name}.py"))
+        sys.modules[key] = importlib.util.module_from_spec(spec)  # dataclasses look their module up there
+        spec.loader.exec_module(sys.modules[key])
+    return sys.modules[key]
+
+
+def _resnet_args(*argv):
+    from transformers import HfArgumentParser
+
+    return HfArgumentParser(_recipe("resnet50").Args).parse_args_into_dataclasses(args=list(argv))
+
+
+def _birder_arguments(**kwargs):
+    from birder_hf.integrations.transformers import BirderArguments
+
+    return BirderArguments(**kwargs)
+
+
+def _accelerate_hook(env, **options):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from birder_hf.integrations.accelerate import register_birder_hook
+
+    try:
+        acc = Accelerator(cpu=True)
+        return register_birder_hook(acc, env.model, env.opt, **options)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _squad(env, text):
+    sys.path.insert(0, os.path.join(ROOT, "recipes"))
+    from embedded_data import load_squad_json
+
+    path = os.path.join(env.dir, "squad.json")
+    with open(path, "w") as f:
+        f.write(text)
+    env.snapshot_files_again = True
+    return load_squad_json(path)
+
+
+def _with_state(env, edit):
+    sd = env.state_dict()
+    edit(sd)
+    return env.opt.load_state_dict(sd)
+
+
+def _adamw_state(env, cls=Birder, **kwargs):
+    twin = copy.deepcopy(env.model)  # AdamW's state of the same model, made on a copy
+    adamw = torch.optim.AdamW(twin.parameters(), lr=0.1)
+    adamw.step()
+    target = env.opt if cls is Birder else cls(env.model.parameters(), **kwargs)
+    target.load_state_dict(adamw.state_dict())
+
+
+def _other_shape(env):
+    model = torch.nn.Linear(4, 5)
+    opt = Birder(model.parameters(), seed=1)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    env.opt.load_state_dict(opt.state_dict())
+
+
+def _param(dtype=torch.float32):
+    p = torch.zeros(3, dtype=dtype)
+    return torch.nn.Parameter(p) if dtype.is_floating_point or dtype.is_complex else p
+
+
+P = pytest.param
+ROWS = [
+    # ------------------------------------------------------------- silent wrong numbers, now errors at set-up
+    P(lambda e: Birder([_param()], lr=float("nan")), ValueError, ["lr=nan", "finite float >= 0"], id="lr-nan"),
+    P(lambda e: Birder([_param()], lr=float("inf")), ValueError, ["lr=inf", "finite float >= 0"], id="lr-inf"),
+    P(lambda e: Birder([_param()], lr=True), ValueError, ["lr=True", "finite float >= 0"], id="lr-bool"),
+    P(lambda e: Birder([_param()], weight_decay=float("nan")), ValueError, ["weight_decay=nan", ">= 0"], id="wd-nan"),
+    P(lambda e: Birder([_param()], seed=1.7), ValueError, ["seed=1.7", "must be an int"], id="seed-float"),
+    P(lambda e: Birder([_param()], seed="7"), ValueError, ["seed='7'", "must be an int"], id="seed-str"),
+    P(lambda e: Birder([_param()], seed="abc"), ValueError, ["seed='abc'", "must be an int"], id="seed-abc"),
+    P(
+        lambda e: e.opt.add_param_group({"params": [_param()], "lr": float("nan")}),
+        ValueError,
+        ["lr=nan", "param group 1", "finite float >= 0"],
+        id="add-param-group-nan",
+    ),
+    P(
+        lambda e: OneBitAdam([_param()], lr=float("nan"), freeze_step=1),
+        ValueError,
+        ["lr=nan", "finite float >= 0"],
+        id="onebitadam-lr-nan",
+    ),
+    P(
+        lambda e: Birder([_param()], lr=torch.tensor([0.1, 0.2])),
+        ValueError,
+        ["Tensor lr must be 1-element"],
+        id="lr-tensor-2",
+    ),
+    P(lambda e: Birder([_param()], foreach="yes"), ValueError, ["foreach='yes'", "None, True or False"], id="flag"),
+    P(lambda e: Birder([_param()], differentiable=True), ValueError, ["differentiable", "leave it False"], id="diff"),
+    P(
+        lambda e: _with_state(e, lambda sd: sd["state"][0]["exp_avg"].__setitem__((0, 0), float("nan"))),
+        ValueError,
+        ["NaN or inf in exp_avg", "nothing was loaded", "state_dict() wrote"],
+        id="load-nan-exp-avg",
+    ),
+    P(
+        lambda e: _with_state(e, lambda sd: sd["state"][1]["exp_avg_abs"].__setitem__(0, float("inf"))),
+        ValueError,
+        ["NaN or inf in exp_avg_abs", "nothing was loaded"],
+        id="load-inf-exp-avg-abs",
+    ),
+    P(
+        lambda e: _with_state(e, lambda sd: sd["state"][1]["exp_avg"].__setitem__(0, 5.0)),
+        ValueError,
+        ["|exp_avg| <= exp_avg_abs", "nothing was loaded"],
+        id="load-m-above-b",
+    ),
+    P(
+        lambda e: Birder([e.model.weight, e.model.weight]),
+        ValueError,
+        ["appears twice", "Pass each parameter once"],
+        id="duplicate-param",
+    ),
+    P(
+        lambda e: _timm("adamw"),
+        ValueError,
+        ["'adamw'", "replace timm's own", "Pick a free name"],
+        id="timm-adamw",
+    ),
+    P(lambda e: _timm(""), ValueError, ["name=''", "non-empty string"], id="timm-empty"),
+    P(
+        lambda e: save_rank_state(e.model, e.dir, rank=0, world_size=1),
+        TypeError,
+        ["Birder or OneBitAdam optimizer", "Linear", "pass the optimizer"],
+        id="save-a-model",
+    ),
+    P(
+        lambda e: save_rank_state(e.opt, e.dir, rank=-1, world_size=2),
+        ValueError,
+        ["rank=-1", "[0, world_size)", "process_index"],
+        id="save-rank-negative",
+    ),
+    P(
+        lambda e: save_rank_state(e.opt, e.dir, rank=2, world_size=2),
+        ValueError,
+        ["rank=2", "[0, world_size)"],
+        id="save-rank-past-world",
+    ),
+    P(
+        lambda e: _birder_arguments(inter_method="bogus"),
+        ValueError,
+        ["inter_method='bogus'", "allgather, scatter_gather"],
+        id="args-inter-method",
+    ),
+    P(
+        lambda e: _accelerate_hook(e, method="bogus"),
+        ValueError,
+        ["method 'bogus'", "allgather, scatter_gather, hierarchical"],
+        id="register-hook-method-one-process",
+    ),
+    P(
+        lambda e: _accelerate_hook(e, chunk_numel=0),
+        ValueError,
+        ["chunk_numel=0", "int >= 1"],
+        id="register-hook-chunk-one-process",
+    ),
+    # ---------------------------------------------------------- errors that came after state was partly written
+    P(_other_shape, ValueError, ["exp_avg of shape (5, 4)", "another model"], id="load-other-shape"),
+    P(
+        lambda e: _adamw_state(e),
+        ValueError,
+        ["torch.optim.Adam/AdamW", "load only the model's weights"],
+        id="load-adamw-state",
+    ),
+    P(
+        lambda e: _with_state(e, lambda sd: sd["state"][0].pop("exp_avg_abs")),
+        ValueError,
+        ["lacks ['exp_avg_abs']", "nothing was loaded"],
+        id="load-missing-exp-avg-abs",
+    ),
+    P(
+        lambda e: _with_state(e, lambda sd: sd["param_groups"][0].pop("seed")),
+        ValueError,
+        ["lacks Birder's settings ['seed']", "load_rank_state"],
+        id="load-missing-seed",
+    ),
+    P(
+        lambda e: _with_state(e, lambda sd: sd["state"][0].__setitem__("step", torch.tensor(1.5))),
+        ValueError,
+        ["step=1.5", "whole number"],
+        id="load-fractional-step",
+    ),
+    P(
+        lambda e: _with_state(e, lambda sd: sd["param_groups"][0].__setitem__("beta", 1.5)),
+        ValueError,
+        ["beta=1.5", "param group 0 of the state dict", "[0, 1)"],
+        id="load-bad-beta",
+    ),
+    P(
+        lambda e: Birder([_param(torch.complex64)]),
+        TypeError,
+        ["complex64", "torch.view_as_real"],
+        id="complex-param",
+    ),
+    P(
+        lambda e: BirderHookState(e.opt, inter_method="bogus"),
+        ValueError,
+        ["inter_method 'bogus'", "allgather, scatter_gather"],
+        id="hook-inter-method",
+    ),
+    P(lambda e: BirderHookState(e.opt, topology="flat"), TypeError, ["topology", "Topology"], id="hook-topology"),
+    P(
+        lambda e: BirderHookState(e.opt, chunk_numel="abc"),
+        ValueError,
+        ["chunk_numel='abc'", "int >= 1"],
+        id="hook-chunk-numel",
+    ),
+    # ------------------------------------------------------------------------ late failures, unclear errors
+    P(
+        lambda e: _resnet_args("--method", "bogus"),
+        ValueError,
+        ["method 'bogus'", "allgather, scatter_gather, hierarchical"],
+        id="resnet-method",
+    ),
+    P(lambda e: _resnet_args("--epochs", "0"), ValueError, ["--epochs must be >= 1"], id="resnet-epochs-0"),
+    P(lambda e: _resnet_args("--num_nodes", "0"), ValueError, ["--num_nodes must be >= 1"], id="resnet-nodes-0"),
+    P(
+        lambda e: _squad(e, '{"data": [}'),
+        ValueError,
+        ["squad.json is not valid JSON", "SQuAD v1.1 format"],
+        id="squad-malformed",
+    ),
+    P(
+        lambda e: _squad(e, '{"version": "1.1"}'),
+        ValueError,
+        ["squad.json has no 'data' list", "SQuAD v1.1 format"],
+        id="squad-no-data",
+    ),
+    P(
+        lambda e: _birder_arguments(num_nodes=0),
+        ValueError,
+        ["num_nodes=0", "int >= 1"],
+        id="args-num-nodes-0",
+    ),
+    P(
+        lambda e: Birder([_param(torch.int64)]),
+        TypeError,
+        ["torch.int64", "model.parameters()"],
+        id="int64-param",
+    ),
+    P(
+        lambda e: onebit_all_reduce(torch.zeros(8), chunk_numel="abc"),
+        ValueError,
+        ["chunk_numel='abc'", "int >= 1"],
+        id="allreduce-chunk-numel",
+    ),
+    P(
+        lambda e: Birder([_param()], topology="flat"),
+        TypeError,
+        ["topology", "birder_hf.Topology"],
+        id="birder-topology-str",
+    ),
+    P(
+        lambda e: _birder_arguments(beta="0.9"),
+        ValueError,
+        ["beta='0.9'", "float in [0, 1)"],
+        id="args-beta-str",
+    ),
+    P(
+        lambda e: _adamw_state(e, OneBitAdam, freeze_step=2),
+        ValueError,
+        ["torch.optim.Adam/AdamW", "OneBitAdam", "load only the model's weights"],
+        id="onebitadam-adamw-state",
+    ),
+    P(
+        lambda e: load_rank_state(e.opt, e.dir, rank=3, world_size=2),
+        ValueError,
+        ["rank=3", "[0, world_size)"],
+        id="load-rank-past-world",
+    ),
+]
+
+
+def _timm(name):
+    pytest.importorskip("timm")
+    from birder_hf.integrations.timm import register_with_timm
+
+    register_with_timm(name)
+
+
+@pytest.mark.parametrize("call, error, says", ROWS)
+def test_bad_input_is_refused_and_changes_nothing(tmp_path, call, error, says):
+    env = Env(tmp_path)
+    before = env.snapshot()
+    with pytest.raises(error) as info:
+        call(env)
+    message = str(info.value)
+    for needle in says:
+        assert needle in message, f"{needle!r} not in {message!r}"
+    after = env.snapshot()
+    if getattr(env, "snapshot_files_again", False):  # the row wrote its own (bad) input file
+        after[-1].pop("squad.json")
+    assert _same(before, after)
+    env.opt.step()  # and the optimizer still works
+
+
+def test_timm_keeps_its_own_adamw():
+    timm = pytest.importorskip("timm")
+    with pytest.raises(ValueError):
+        _timm("AdamW")
+    opt = timm.optim.create_optimizer_v2(torch.nn.Linear(2, 2), "adamw", lr=1e-3)
+    assert type(opt) is torch.optim.AdamW
+
+
+# --------------------------------------------------------------------- what used to be wrong, now correct
+def test_what_used_to_fail_now_works(tmp_path):
+    env = Env(tmp_path)
+    # a zero-size parameter steps (no error, its counter moves like the others')
+    z = torch.nn.Parameter(torch.zeros(0, 3))
+    opt = Birder([z, torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    z.grad = torch.zeros(0, 3)
+    opt.param_groups[0]["params"][1].grad = torch.ones(2)
+    opt.step()
+    assert int(opt.state[z]["step"]) == 1
+    # an older state dict without the flag settings loads and steps (filled from this optimizer's defaults)
+    sd = env.state_dict()
+    for key in ("foreach", "maximize"):
+        del sd["param_groups"][0][key]
+    env.opt.load_state_dict(sd)
+    assert env.opt.param_groups[0]["maximize"] is False and env.opt.param_groups[0]["foreach"] is None
+    # a plain-number step (torch.optim accepts one) becomes a tensor again
+    sd = env.state_dict()
+    sd["state"][0]["step"] = 2
+    env.opt.load_state_dict(sd)
+    assert torch.is_tensor(env.opt.state[env.model.weight]["step"])
+    env.opt.step()
+    assert int(env.opt.state[env.model.weight]["step"]) == 3
+
+
+def test_a_parameter_changed_after_its_state_was_made_fails_before_anything_is_written(tmp_path):
+    env = Env(tmp_path)
+    before = env.snapshot()
+    with torch.no_grad():
+        env.model.bias.data = torch.zeros(5)  # resized behind the optimizer's back
+    env.model.bias.grad = torch.zeros(5)
+    with pytest.raises(RuntimeError, match=r"shape \(5,\) .* state of shape \(3,\).*before creating the optimizer"):
+        env.opt.step()
+    assert _same(before[2], env.state_dict())  # the weight's state was not advanced either
+    assert torch.equal(before[0][0], env.model.weight)
+
+
+# --------------------------------------------------------------------------------------- two ranks
+def _every_rank(fn):
+    """Run ``fn(rank)`` on two ranks: each returns (error type, message, seconds, unchanged?)."""
+
+    def run(rank, world):
+        start = time.monotonic()
+        try:
+            unchanged = fn(rank)
+            return None, "", time.monotonic() - start, unchanged
+        except Exception as exc:
+            return type(exc).__name__, str(exc), time.monotonic() - start, getattr(exc, "_unchanged", None)
+
+    return run
+
+
+def _step_with_method(rank):
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = Birder([p], lr=0.1, seed=0, process_group=dist.group.WORLD, method="allgather" if rank else "scatter_gather")
+    p.grad = torch.ones(4)
+    try:
+        opt.step()
+    except Exception as exc:
+        exc._unchanged = len(opt.state) == 0 and torch.equal(p.detach(), torch.ones(4))
+        raise
+
+
+def _hook_with_lr(rank):
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+    BirderHookState(Birder(model.parameters(), lr=0.1 * (rank + 1)))
+
+
+def _bad_process_group_method(rank):
+    with pytest.warns(FutureWarning):
+        Birder([_param()], process_group=dist.group.WORLD, comm_method="bogus")
+
+
+TWO_RANKS = [
+    P(
+        lambda r: onebit_all_reduce(torch.zeros(8 if r == 0 else 64), topology=Topology.flat(), method="allgather"),
+        "ValueError",
+        ["numel: rank 0 8, rank 1 64", "same number of elements"],
+        id="numel-8-vs-64",
+    ),
+    P(
+        lambda r: onebit_all_reduce(torch.zeros(8 if r else 64), topology=Topology.flat(), method="scatter_gather"),
+        "ValueError",
+        ["numel: rank 0 64, rank 1 8", "same number of elements"],
+        id="numel-scatter-gather",
+    ),
+    P(
+        lambda r: onebit_all_reduce(
+            torch.zeros(64), topology=Topology.flat(), method="allgather" if r == 0 else "scatter_gather"
+        ),
+        "ValueError",
+        ["method: rank 0 allgather, rank 1 scatter_gather", "the same method"],
+        id="allgather-vs-scatter-gather",
+    ),
+    P(
+        lambda r: onebit_all_reduce(torch.zeros(0 if r == 0 else 8), topology=Topology.flat()),
+        "ValueError",
+        ["numel: rank 0 0, rank 1 8"],
+        id="empty-vs-8",
+    ),
+    P(
+        lambda r: onebit_all_reduce(torch.zeros(64, dtype=torch.float64 if r else torch.float32)),
+        "ValueError",
+        ["dtype: rank 0 float32, rank 1 float64"],
+        id="dtype",
+    ),
+    P(
+        lambda r: Topology.from_layout(2 if r == 0 else 1, 1 if r == 0 else 2),
+        "ValueError",
+        ["different layouts", "rank 0 (2, 1), rank 1 (1, 2)", "same arguments"],
+        id="from-layout-different",
+    ),
+    P(
+        lambda r: Topology.from_layout("a" if r == 0 else 1, 2),
+        "ValueError",
+        ["num_nodes must be an int >= 1, got 'a'"],
+        id="from-layout-str-on-one-rank",
+    ),
+    P(
+        _step_with_method,
+        "ValueError",
+        ["method: rank 0 scatter_gather, rank 1 allgather"],
+        id="optimizer-side-method-differs",
+    ),
+    P(_hook_with_lr, "ValueError", ["param group 0 lr: rank 0 0.1, rank 1 0.2", "same"], id="hook-lr-differs"),
+    P(
+        _bad_process_group_method,
+        "ValueError",
+        ["method 'bogus'", "valid methods"],
+        id="process-group-comm-method-bogus",
+    ),
+    P(
+        lambda r: Topology.from_device_mesh(None),
+        "TypeError",
+        ["DeviceMesh", "init_device_mesh"],
+        id="from-device-mesh-none",
+    ),
+]
+
+
+@pytest.mark.parametrize("fn, error, says", TWO_RANKS)
+def test_two_ranks_fail_together_within_seconds(fn, error, says):
+    results = run_distributed(_every_rank(fn), 2, timeout=60)
+    assert results[0][1] == results[1][1], results  # the same message on every rank
+    for kind, message, seconds, unchanged in results:
+        assert kind == error, (kind, message)
+        assert seconds < 10, seconds
+        assert unchanged in (None, True)
+        for needle in says:
+            assert needle in message, f"{needle!r} not in {message!r}"
+
+
+def test_from_env_world_size_not_a_number():
+    def fn(rank):
+        return Topology.from_env()
+
+    results = run_distributed(_every_rank(fn), 2, local_world_size=2, env={"WORLD_SIZE": "four"}, timeout=60)
+    for kind, message, _, _ in results:
+        assert kind == "ValueError" and "WORLD_SIZE='four' is not an integer" in message and "export them" in message
+
+
+# ------------------------------------------------------------------------------------------ a full disk
+def _on_small_disk(tmp_path, script: str, size: str = "512k"):
+    """Run ``script DISK`` with DISK a tmpfs of ``size`` in a private mount namespace (root, or an unprivileged user
+    namespace); skip where neither is allowed."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    inner = f'mount -t tmpfs -o size={size} tmpfs "$1" || exit 97; exec "$2" "$3" "$1"'
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src"), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    for prefix in (["unshare", "--mount", "--propagation", "private"], ["unshare", "--user", "--map-root-user", "-m"]):
+        try:
+            res = subprocess.run(
+                [*prefix, "sh", "-c", inner, "sh", str(disk), sys.executable, script],
+                capture_output=True,
+                text=True,
+                timeout=300,
+                env=env,
+                cwd=ROOT,
+            )
+        except FileNotFoundError:
+            break
+        if res.returncode == 0:
+            return [json.loads(line[7:]) for line in res.stdout.splitlines() if line.startswith("RESULT ")]
+        if res.returncode != 97 and "unshare" not in res.stderr:
+            raise AssertionError(res.stdout[-3000:] + res.stderr[-6000:])
+    pytest.skip("making a small tmpfs needs a private mount namespace (root, or unprivileged user namespaces)")
+
+
+def test_a_full_disk_says_so_and_keeps_the_previous_checkpoint(tmp_path):
+    pytest.importorskip("transformers")
+    cases = {r["case"]: r for r in _on_small_disk(tmp_path, os.path.join(ROOT, "tests", "_full_disk_script.py"))}
+    direct = cases["save_rank_state"]
+    assert direct["errno"] == 28 and direct["type"] == "OSError", direct
+    assert "is full" in direct["message"] and "bytes free" in direct["message"]
+    assert f"The previous {direct['path']} is unchanged" in direct["message"]
+    assert direct["unchanged"] and direct["loaded_step"] == 1
+    accelerate = cases["accelerate"]  # Birder's state is accelerate's first write: its message surfaces
+    assert accelerate["errno"] == 28 and "is full" in accelerate["message"], accelerate
+    trainer = cases["trainer"]
+    assert trainer["errno"] == 28 and "is full" in trainer["message"], trainer
+    assert "The new checkpoint-2 is incomplete (delete it)" in trainer["message"]
+    assert "birder" in trainer["first"] and "trainer_state.json" in trainer["first"]  # checkpoint-1 is complete
+
+
+# ------------------------------------------------------------------------- the agreement check's cost
+def _count_checks(rank, world):
+    from birder_hf import collectives
+
+    checks = []
+    real = collectives._all_gather
+
+    def counting(out, inp, **kwargs):  # the check's all-gather is the only one of int64
+        checks.append(inp.dtype == torch.int64)
+        return real(out, inp, **kwargs)
+
+    collectives._all_gather = counting
+    topo = Topology.flat()
+    counts = []
+    for numel in (64, 64, 64, 128, 64):
+        checks.clear()
+        onebit_all_reduce(torch.zeros(numel), topology=topo, method="allgather")
+        counts.append(sum(checks))
+    # the optimizer-side all-reduce checks before its first step, then never again for the same parameters
+    p = torch.nn.Parameter(torch.ones(40))
+    opt = Birder([p], lr=0.1, seed=0, topology=topo, method="allgather")
+    steps = []
+    for _ in range(3):
+        checks.clear()
+        p.grad = torch.randn(40)
+        opt.step()
+        steps.append(sum(checks))
+    collectives._all_gather = real
+    return counts, steps
+
+
+def test_the_agreement_check_runs_once_per_signature():
+    for counts, steps in run_distributed(_count_checks, 2):
+        assert counts == [1, 0, 0, 1, 0]
+        assert steps == [1, 0, 0]
+
+
+def test_agreement_benchmark_runs():
+    spec = importlib.util.spec_from_file_location("birder_benchmarks_agreement", f"{ROOT}/benchmarks/agreement.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.run(numel=64, calls=3, lookups=100)
+    assert result["extra_collectives"] == {"first_call": 1, "later_calls": 0, "later_call_count": 3}
+    assert result["cache_lookup_us"] > 0 and result["check_exchange_ms"] > 0

@@ -1,0 +1,397 @@
+"""1-bit HSDP on real gloo ranks: FSDP2 on the "shard" dimension of a 2 x 2 mesh, Birder's 1 bit across "nodes".
+
+Four forked ranks play 2 nodes x 2. The reference trains the unsharded model: each rank averages its gradient
+with its node's other rank (a plain all-reduce), and Birder's optimizer-side 1-bit all-reduce runs over the
+replicate group. Sharding must not change a bit of that: the hook and the step() path give the reference's
+parameters exactly.
+"""
+
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import run_distributed
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import birder_hf.collectives as collectives
+from birder_hf import Birder, OneBitAdam, Topology
+from birder_hf.checkpoint import load_rank_state, save_rank_state
+from birder_hf.collectives import expected_bytes
+from birder_hf.fsdp import FSDPHookState, register_birder_fsdp
+
+LAYERS = (0, 2, 4)  # odd widths: FSDP pads dim 0, and the last layer's one row leaves rank 1 of a node empty
+
+
+def _model(dtype=torch.float32):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(12, 29), torch.nn.Tanh(), torch.nn.Linear(29, 31), torch.nn.Tanh(), torch.nn.Linear(31, 1)
+    ).to(dtype)
+
+
+def _batch(rank, step, dtype=torch.float32):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    x = torch.randn(16, 12, generator=g)
+    w = torch.linspace(-1, 1, 12).unsqueeze(1)
+    return x.to(dtype), (x @ w + 0.1 * torch.randn(16, 1, generator=g)).to(dtype)
+
+
+def _mesh(shape=(2, 2)):
+    return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+
+
+def _sharded(mesh, dtype=torch.float32, **kwargs):
+    model = _model(dtype)
+    for i in LAYERS:
+        fully_shard(model[i], mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh, **kwargs)
+    return model
+
+
+def _optimizer(params, **kwargs):
+    return Birder(params, lr=0.02, beta=0.9, weight_decay=0.01, seed=5, **kwargs)
+
+
+def _loss(model, rank, step, dtype=torch.float32):
+    x, y = _batch(rank, step, dtype)
+    return (model(x) - y).float().pow(2).mean()
+
+
+def _train_hsdp(rank, mesh, steps, method, *, in_backward=True, accumulate=1, nan_at=None, dtype=torch.float32):
+    model = _sharded(mesh["shard"], dtype)
+    opt = _optimizer(model.parameters())
+    comm = register_birder_fsdp(model, opt, mesh, method=method, in_backward=in_backward)
+    losses = []
+    for t in range(steps):
+        for micro in range(accumulate):
+            model.set_requires_gradient_sync(micro == accumulate - 1)  # accumulate unsharded, reduce once
+            loss = _loss(model, rank, t * accumulate + micro, dtype)
+            if nan_at == t and rank == 3:
+                loss = loss * float("nan")
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return model, opt, comm, losses
+
+
+def _train_reference(rank, mesh, steps, method, *, accumulate=1, skip=()):
+    # unsharded: node-average the gradient by hand, then Birder's step() all-reduce over the replicate group
+    model = _model()
+    opt = _optimizer(model.parameters(), topology=Topology.from_replicate_dim(mesh), method=method)
+    node = mesh["shard"].get_group()
+    for t in range(steps):
+        for micro in range(accumulate):
+            _loss(model, rank, t * accumulate + micro).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad, group=node)
+            p.grad.div_(mesh.size(1))
+        if t not in skip:
+            opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _full(model):
+    return [p.full_tensor().detach().clone() for p in model.parameters()]
+
+
+def _equal(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("method", ["hierarchical", "scatter_gather"])
+def test_sharding_changes_no_bit_replicas_agree_and_state_covers_the_shard(method):
+    def fn(rank, world):
+        mesh = _mesh()
+        ref = _train_reference(rank, mesh, 8, method)
+        model, opt, hook, losses = _train_hsdp(rank, mesh, 8, method)
+        step_model, *_ = _train_hsdp(rank, mesh, 8, method, in_backward=False)
+        acc_model, *_ = _train_hsdp(rank, mesh, 3, method, accumulate=2)
+        acc_ref = _train_reference(rank, mesh, 3, method, accumulate=2)
+        shards = [
+            (tuple(p.to_local().shape), tuple(opt.state[p]["exp_avg"].shape), opt.state[p]["shard"])
+            for p in model.parameters()
+        ]
+        ms = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
+        return ref, _full(model), _full(step_model), acc_ref, _full(acc_model), shards, ms, losses, type(hook)
+
+    res = run_distributed(fn, 4)
+    for ref, hooked, stepped, acc_ref, acc, shards, _, _, kind in res:
+        assert kind is FSDPHookState
+        assert _equal(hooked, ref) and _equal(stepped, ref)  # hook, step() path and unsharded reference: bitwise
+        assert _equal(acc, acc_ref)  # gradient accumulation with set_requires_gradient_sync(False)
+        assert _equal(hooked, res[0][1])  # every rank's full parameters are the same
+        for local_shape, state_shape, _ in shards:
+            assert state_shape == local_shape  # m, b cover this rank's shard only
+    # rank 1 holds rows 15..28 of the first layer's 29: elements 180..359 of its weight, and no row of the last layer
+    assert res[1][5][0] == ((14, 12), (14, 12), (180, 168, 348))
+    assert res[1][5][4] == ((0, 31), (0, 31), (31, 0, 31))
+    assert not torch.equal(res[0][6][0], res[2][6][0])  # m differs between the nodes (their own gradients)
+    losses = res[0][7]
+    assert losses[-1] < 0.3 * losses[0]
+
+
+def test_only_packed_bits_and_flags_cross_the_nodes():
+    def fn(rank, world):
+        mesh = _mesh()
+        node_of = {r: r // 2 for r in range(4)}
+        crossing = []
+
+        def spy(name, fn_, sent):  # sent: the position of the tensor this rank sends
+            def wrapper(*args, **kwargs):
+                group = kwargs.get("group")
+                ranks = dist.get_process_group_ranks(group) if group is not None else list(range(4))
+                if len({node_of[r] for r in ranks}) > 1:
+                    crossing.append((name, str(args[sent].dtype), args[sent].numel()))
+                return fn_(*args, **kwargs)
+
+            return wrapper
+
+        # what FSDP2 and birder_hf call (FSDP's collectives go through these module attributes)
+        names = {"all_reduce": 0, "broadcast": 0, "reduce_scatter_tensor": 1, "all_gather_into_tensor": 1}
+        names["all_to_all_single"] = 1
+        saved = {n: getattr(dist, n) for n in names}
+        saved_gather = collectives._all_gather
+        try:
+            for n, sent in names.items():
+                setattr(dist, n, spy(n, saved[n], sent))
+            collectives._all_gather = spy("onebit_all_gather", saved_gather, 1)
+            model, opt, hook, _ = _train_hsdp(rank, mesh, 3, "hierarchical")
+        finally:
+            for n in names:
+                setattr(dist, n, saved[n])
+            collectives._all_gather = saved_gather
+        # in backward order: the last layer's unit reduces first
+        shard_numels = [sum(p.to_local().numel() for p in model[i].parameters()) for i in reversed(LAYERS)]
+        return crossing, shard_numels, hook.stats.as_dict()
+
+    for crossing, shard_numels, stats in run_distributed(fn, 4):
+        bits = [c for c in crossing if c[0] == "onebit_all_gather" and c[1] != "torch.int64"]
+        flags = [c for c in crossing if c[0] != "onebit_all_gather"]
+        # the first call with new arguments checks the ranks agree on them: one all-gather of 7 int64 per new call
+        # signature (numel, method, ...), none on later steps (collectives.check_agreement)
+        agreement = [i for i, c in enumerate(crossing) if c[0] == "onebit_all_gather" and c[1] == "torch.int64"]
+        first_step_ends = crossing.index(("all_reduce", "torch.float32", 1))  # step 1's finite flag
+        assert agreement and max(agreement) < first_step_ends
+        assert all(crossing[i][2] == 7 for i in agreement)
+        # per step and FSDP unit: one all-gather of the packed bits of this rank's shard (1 bit per element; none
+        # for an empty shard)
+        assert bits == [("onebit_all_gather", "torch.uint8", -(-n // 8)) for n in shard_numels if n] * 3
+        # and per step one all-reduce of a 1-element finite flag over every rank: no fp32 gradient crosses
+        assert flags == [("all_reduce", "torch.float32", 1)] * 3
+        per_step = sum(expected_bytes("hierarchical", n, (2, 1))["inter_node_bytes"] for n in shard_numels)
+        assert stats["comm/inter_node_bytes"] == 3 * per_step and stats["comm/intra_node_bytes"] == 0
+        assert per_step == sum(-(-n // 8) for n in shard_numels)  # k - 1 = 1 peer: 1/8 byte per shard element
+
+
+def test_exact_resume_and_a_clear_error_on_another_mesh_shape(tmp_path):
+    ckpt = str(tmp_path)
+
+    def fn(rank, world):
+        mesh = _mesh()
+        straight, *_ = _train_hsdp(rank, mesh, 6, "hierarchical")
+        first, opt, _, _ = _train_hsdp(rank, mesh, 3, "hierarchical")
+        save_rank_state(opt, ckpt)
+        torch.save({n: p.to_local().clone() for n, p in first.named_parameters()}, f"{ckpt}/model_{rank}.pt")
+        # a fresh process's view: new model, optimizer and hook; load this rank's shard and state, go on 3 steps
+        model = _sharded(mesh["shard"])
+        opt = _optimizer(model.parameters())
+        register_birder_fsdp(model, opt, mesh)
+        saved = torch.load(f"{ckpt}/model_{rank}.pt", weights_only=True)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.to_local().copy_(saved[n])
+        load_rank_state(opt, ckpt)
+        for t in range(3, 6):
+            _loss(model, rank, t).backward()
+            opt.step()
+            opt.zero_grad()
+        # the same checkpoint on a 1 x 4 mesh (FSDP over all ranks): other shards, refused before anything loads
+        other = _sharded(init_device_mesh("cpu", (4,)))
+        other_opt = _optimizer(other.parameters())
+        with pytest.raises(ValueError) as caught:
+            load_rank_state(other_opt, ckpt)
+        return _full(straight), _full(model), str(caught.value), len(other_opt.state)
+
+    for straight, resumed, error, loaded in run_distributed(fn, 4):
+        assert _equal(straight, resumed)
+        assert "same mesh shape" in error and "Nothing was loaded" in error and loaded == 0
+
+
+def test_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank():
+    def fn(rank, world):
+        mesh = _mesh()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model, opt, hook, _ = _train_hsdp(rank, mesh, 5, "hierarchical", nan_at=2)
+        steps = {int(opt.state[p]["step"]) for p in model.parameters()}
+        ref = _train_reference(rank, mesh, 5, "hierarchical", skip=(2,))
+        return _full(model), ref, hook.skipped_steps, steps, [str(w.message) for w in caught]
+
+    for full, ref, skipped, steps, messages in run_distributed(fn, 4):
+        assert skipped == 1 and steps == {4} and any("non-finite" in m for m in messages)
+        assert _equal(full, ref)  # rank 3's NaN (node 1, shard 1) skipped every shard on every node
+
+
+def test_bf16_parameters_keep_fp32_state():
+    def fn(rank, world):
+        mesh = _mesh()
+        model, opt, _, losses = _train_hsdp(rank, mesh, 8, "hierarchical", dtype=torch.bfloat16)
+        states = [opt.state[p] for p in model.parameters()]
+        dtypes = {(p.dtype, s["exp_avg"].dtype, s["exp_avg_abs"].dtype) for p, s in zip(model.parameters(), states)}
+        return _full(model), dtypes, losses
+
+    res = run_distributed(fn, 4)
+    for full, dtypes, _ in res:
+        assert _equal(full, res[0][0])
+        assert dtypes == {(torch.bfloat16, torch.float32, torch.float32)}
+    assert res[0][2][-1] < 0.5 * res[0][2][0]
+
+
+def test_mixed_precision_reduce_in_fp32_of_bf16_compute():
+    def fn(rank, world):
+        mesh = _mesh()
+        model = _model()
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for i in LAYERS:
+            fully_shard(model[i], mesh=mesh["shard"], mp_policy=policy)
+        fully_shard(model, mesh=mesh["shard"], mp_policy=policy)
+        opt = _optimizer(model.parameters())
+        register_birder_fsdp(model, opt, mesh)
+        losses = []
+        for t in range(6):
+            loss = _loss(model, rank, t)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return _full(model), losses
+
+    res = run_distributed(fn, 4)
+    assert all(_equal(full, res[0][0]) for full, _ in res)
+    assert res[0][1][-1] < 0.5 * res[0][1][0]
+
+
+def test_fsdp_over_all_ranks_trains_as_one_worker_with_a_note():
+    def fn(rank, world):
+        mesh = init_device_mesh("cpu", (4,))
+        model = _sharded(mesh)
+        opt = _optimizer(model.parameters())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            hook = register_birder_fsdp(model, opt, mesh)
+        # reference: one worker, no communication, on the gradient averaged over all 4 ranks
+        ref = _model()
+        ref_opt = _optimizer(ref.parameters())
+        for t in range(4):
+            _loss(model, rank, t).backward()
+            opt.step()
+            opt.zero_grad()
+            _loss(ref, rank, t).backward()
+            for p in ref.parameters():
+                dist.all_reduce(p.grad)
+                p.grad.div_(4)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "distributed without its hook": on purpose here
+                ref_opt.step()
+            ref_opt.zero_grad()
+        return _full(model), [p.detach() for p in ref.parameters()], [str(w.message) for w in caught], hook.stats
+
+    for full, ref, messages, stats in run_distributed(fn, 4):
+        assert any("no replicate dimension" in m for m in messages)
+        assert stats.total_bytes == 0
+        for a, b in zip(full, ref):  # the all-reduce and the reduce-scatter may sum 4 values in another order
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_unsupported_setups_are_refused_with_the_fix():
+    def fn(rank, world):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        mesh = _mesh()
+        errors = {}
+
+        def attempt(key, make):
+            try:
+                make()
+            except (TypeError, ValueError) as e:
+                errors[key] = str(e)
+
+        native = _sharded(mesh)  # native 2-D HSDP: (Replicate, Shard(0)) on the 2-D mesh
+        attempt("native", lambda: register_birder_fsdp(native, _optimizer(native.parameters()), mesh))
+        plain = _model()
+        attempt("ddp", lambda: register_birder_fsdp(DDP(plain), _optimizer(plain.parameters()), mesh))
+        flat = _sharded(init_device_mesh("cpu", (4,)))
+        attempt("wrong_mesh", lambda: register_birder_fsdp(flat, _optimizer(flat.parameters()), mesh))
+        good = _sharded(mesh["shard"])
+        attempt("adam", lambda: register_birder_fsdp(good, OneBitAdam(good.parameters(), freeze_step=2), mesh))
+        attempt("torch_adam", lambda: register_birder_fsdp(good, torch.optim.AdamW(good.parameters()), mesh))
+        attempt("partial", lambda: register_birder_fsdp(good, _optimizer(list(good.parameters())[:2]), mesh))
+        half = _model()
+        fully_shard(half[0], mesh=mesh["shard"])  # the root not wrapped: the other layers are plain tensors
+        attempt("unsharded", lambda: register_birder_fsdp(half, _optimizer(half.parameters()), mesh))
+        attempt("mesh", lambda: register_birder_fsdp(good, _optimizer(good.parameters()), mesh["shard"]))
+        opt = _optimizer(good.parameters())
+        register_birder_fsdp(good, opt, mesh)
+        attempt("twice", lambda: register_birder_fsdp(good, opt, mesh))
+        return errors
+
+    errors = run_distributed(fn, 4)[0]
+    assert "native 2-D HSDP" in errors["native"] and "mesh['shard']" in errors["native"]
+    assert "attach_ddp_hook" in errors["ddp"]
+    assert "sharded over ranks [0, 1, 2, 3]" in errors["wrong_mesh"]
+    assert "1-bit Adam on FSDP shards" in errors["adam"]
+    assert "needs a birder_hf.Birder" in errors["torch_adam"]
+    assert "not in the Birder optimizer" in errors["partial"]
+    assert "not sharded by FSDP2" in errors["unsharded"]
+    assert "must cover every rank" in errors["mesh"]  # mesh["shard"] instead of the 2-D mesh
+    assert "already has" in errors["twice"]
+
+
+def test_fsdp1_is_refused():
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    def fn(rank, world):
+        model = FullyShardedDataParallel(_model(), device_id=torch.device("cpu"))
+        try:
+            register_birder_fsdp(model, _optimizer(model.parameters()), _mesh((1, 2)))
+        except TypeError as e:
+            return str(e)
+
+    assert all("not FSDP1" in msg for msg in run_distributed(fn, 2))
+
+
+def test_register_needs_an_initialized_process_group():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        register_birder_fsdp(_model(), _optimizer(_model().parameters()), None)
+
+
+def test_accelerate_loop_with_a_model_sharded_on_the_node(tmp_path):
+    ckpt = str(tmp_path / "state")
+
+    def fn(rank, world):
+        from accelerate import Accelerator
+
+        from birder_hf.integrations.accelerate import register_birder_hook
+
+        accelerator = Accelerator(cpu=True)
+        mesh = _mesh()
+        model = _sharded(mesh["shard"])
+        opt = accelerator.prepare(_optimizer(model.parameters()))  # accelerate would refuse to DDP-wrap the model
+        state = register_birder_hook(accelerator, model, opt, mesh=mesh)
+        for t in range(3):
+            accelerator.backward(_loss(model, rank, t))
+            opt.step()
+            opt.zero_grad()
+        accelerator.save_state(ckpt)
+        return type(state).__name__, _full(model), _train_reference(rank, mesh, 3, "hierarchical")
+
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}  # read by accelerate; the group already exists
+    res = run_distributed(fn, 4, local_world_size=2, env=env)  # with the launcher's environment
+    for kind, full, ref in res:
+        assert kind == "FSDPHookState" and _equal(full, ref)
+    assert sorted(os.listdir(os.path.join(ckpt, "birder"))) == [f"rank_0000{r}-of-00004.pt" for r in range(4)]
