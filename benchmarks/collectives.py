@@ -34,7 +34,7 @@ import torch._dynamo  # noqa: E402,F401  (imported before forking: ranks start f
 import torch.distributed as dist  # noqa: E402
 
 from birder_hf.collectives import CommStats, expected_bytes, onebit_all_reduce  # noqa: E402
-from birder_hf.quantize import STAGE_WORKER, BitKeys  # noqa: E402
+from birder_hf.quantize import STAGE_WORKER, BitKeys, antithetic  # noqa: E402
 from birder_hf.topology import Topology  # noqa: E402
 
 
@@ -99,7 +99,8 @@ def _rank(rank, world, init_file, args, q):
                 times[case[0]].append(time.perf_counter() - t0)
                 cpu[case[0]].append(time.process_time() - c0)
             t0 = time.perf_counter()
-            keys.quantize_pack(u, 0, STAGE_WORKER, rank)
+            who, reflect = antithetic(rank)  # this rank's draw, as onebit_all_reduce makes it
+            keys.quantize_pack(u, 0, STAGE_WORKER, who, reflect=reflect)
             codec.append(time.perf_counter() - t0)
             if rank == 0:
                 print(f"  repetition {rep + 1}/{args.repeats} done", flush=True)

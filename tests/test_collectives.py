@@ -19,8 +19,13 @@ from birder_hf.topology import Topology
 # ------------------------------------------------------------------------------------------ reference
 
 
-def _bits(keys, v, start, stage, who):
-    return unpack_bits(keys.quantize_pack(v, start, stage, who), v.numel()).float()
+def _bits(keys, v, start, stage, who, reflect=False):
+    return unpack_bits(keys.quantize_pack(v, start, stage, who, reflect=reflect), v.numel()).float()
+
+
+def _pair(member):
+    # antithetic pairs: members 2i and 2i+1 (ranks, or nodes) draw with pair i's key, the odd one reflected
+    return member // 2, member % 2 == 1
 
 
 def _mean(votes, work=torch.float32):
@@ -41,7 +46,7 @@ def simulate(method, us, keys, num_nodes, lws, inter_method="allgather", work=to
     def pad(v):  # padding votes -1 (bit 0)
         return torch.cat([v, v.new_zeros(padded - numel)])
 
-    votes = [pad(_bits(keys, u.reshape(-1), 0, STAGE_WORKER, r)) for r, u in enumerate(us)]
+    votes = [pad(_bits(keys, u.reshape(-1), 0, STAGE_WORKER, *_pair(r))) for r, u in enumerate(us)]
     if method == "allgather" or (method == "hierarchical" and num_nodes == 1):
         d = _mean(votes, work)  # the exact vote mean, rounded once in the output's work dtype
     elif method == "scatter_gather":
@@ -53,7 +58,7 @@ def simulate(method, us, keys, num_nodes, lws, inter_method="allgather", work=to
         for g in range(num_nodes):
             m = _mean(votes[g * lws : (g + 1) * lws])
             node_bits.append(
-                torch.cat([_bits(keys, m[j * s1 : (j + 1) * s1], j * s1, STAGE_NODE, g) for j in range(lws)])
+                torch.cat([_bits(keys, m[j * s1 : (j + 1) * s1], j * s1, STAGE_NODE, *_pair(g)) for j in range(lws)])
             )
         w = _mean(node_bits)
         if inter_method == "allgather":
@@ -180,8 +185,8 @@ def test_allgather_is_the_exact_mean_of_the_votes():
     for r, (u, _) in enumerate(results):  # votes recomputed from the per-segment keys
         plus += torch.cat(
             [
-                quantize_bits(u[:300], keys.key(0, STAGE_WORKER, r)),
-                quantize_bits(u[300:], keys.key(1, STAGE_WORKER, r)),
+                quantize_bits(u[:300], keys.key(0, STAGE_WORKER, r // 2), reflect=r % 2 == 1),
+                quantize_bits(u[300:], keys.key(1, STAGE_WORKER, r // 2), reflect=r % 2 == 1),
             ]
         )
     assert torch.equal(results[0][1], (2 * plus - 4) / 4)
@@ -197,11 +202,22 @@ def _unbiased(rank, world, layout, method, inter_method):
     base = torch.linspace(-0.9, 0.9, M).roll(3 * rank) * (1 - 0.1 * rank)
     u = base.repeat(T)
     topo = _topology(layout)
-    total = torch.zeros(M, dtype=torch.float64)
+    total, squares = torch.zeros(M, dtype=torch.float64), torch.zeros(M, dtype=torch.float64)
     for seed in range(SEEDS):
-        d = onebit_all_reduce(u, topology=topo, method=method, inter_method=inter_method, keys=seed)
-        total += d.view(T, M).double().sum(0)
-    return base, total / (T * SEEDS)
+        d = onebit_all_reduce(u, topology=topo, method=method, inter_method=inter_method, keys=seed).double()
+        total += d.view(T, M).sum(0)
+        squares += d.view(T, M).square().sum(0)
+    return base, total / (T * SEEDS), squares / (T * SEEDS)
+
+
+def _independent_variance(us, layout, method, inter_method):
+    # Var(d) had every rank (and node) drawn independently: a single +-1 result has 1 - mu^2 whatever the coupling;
+    # a mean of m independent +-1 votes (or node bits) with means mu_i has sum(1 - mu_i^2) / m^2
+    mu = us.mean(0)
+    if method == "scatter_gather" or inter_method == "scatter_gather":
+        return 1 - mu**2
+    node_means = us.view(layout[0], layout[1], -1).mean(1) if method == "hierarchical" else us
+    return (1 - node_means**2).sum(0) / node_means.shape[0] ** 2
 
 
 @pytest.mark.parametrize(
@@ -209,15 +225,88 @@ def _unbiased(rank, world, layout, method, inter_method):
     [(None, "allgather", "allgather"), (None, "scatter_gather", "allgather")]
     + [((2, 2), "hierarchical", im) for im in ("allgather", "scatter_gather")],
 )
-def test_unbiased(layout, method, inter_method):
+def test_unbiased_and_never_more_variance_than_independent_draws(layout, method, inter_method):
     results = run_distributed(_unbiased, 4, layout, method, inter_method)
-    mu = torch.stack([b for b, _ in results]).double().mean(0)
-    avg = results[0][1]
+    us = torch.stack([b for b, _, _ in results]).double()
+    mu = us.mean(0)
+    avg, second = results[0][1], results[0][2]
     # d in [-1, 1] with mean mu => Var(d) <= 1 - mu^2 per element; elements and seeds are independent,
     # so the average of N = T * SEEDS draws has standard error <= sqrt((1 - mu^2) / N). Tolerance: 5 SE
     # plus the codec's bias (< 2^-23 per stage).
-    tol = 5 * torch.sqrt((1 - mu**2) / (T * SEEDS)) + 3 * 2**-23
+    n = T * SEEDS
+    tol = 5 * torch.sqrt((1 - mu**2) / n) + 3 * 2**-23
     assert torch.all((avg - mu).abs() <= tol), (avg - mu, tol)
+    # the variance: (d - mu)^2 <= 4, so the sample variance has standard error <= 2 sqrt(Var / N)
+    var = second - avg**2
+    independent = _independent_variance(us, layout or (1, 4), method, inter_method)
+    var_tol = 5 * 2 * torch.sqrt(independent / n) + 1e-6
+    assert torch.all(var <= independent + var_tol), (var, independent)
+    if method == "allgather":
+        # antithetic pairs (0, 1), (2, 3): Var(q_a + q_b) = |s| (2 - |s|), s = u_a + u_b (quantize.py), exactly
+        s = us[0::2] + us[1::2]
+        exact = (s.abs() * (2 - s.abs())).sum(0) / 16
+        assert torch.all((var - exact).abs() <= 5 * 2 * torch.sqrt(exact / n) + 1e-6), (var, exact)
+        assert (independent - exact).max() > 0.1  # well apart: independent draws would fail the line above
+    elif method == "scatter_gather" or inter_method == "scatter_gather":
+        assert torch.all((var - independent).abs() <= var_tol)  # one +-1 bit: 1 - mu^2, the coupling cannot matter
+
+
+# ---------------------------------------------------------------------------- zero u, out-of-range u
+
+ZERO_CASES = [  # (layout, method, inter_method, d = 0 exactly where u = 0 on every rank?)
+    (None, "allgather", "allgather", True),
+    (None, "scatter_gather", "allgather", False),  # one +-1 bit: cannot express 0
+    ((2, 2), "allgather", "allgather", True),
+    ((2, 2), "hierarchical", "allgather", True),  # L, k even: zero node means, then zero node pairs
+    ((2, 2), "hierarchical", "scatter_gather", False),
+    ((4, 1), "hierarchical", "allgather", True),  # L = 1: the rank pairs are the node pairs
+    ((1, 4), "hierarchical", "scatter_gather", True),  # one node: its exact vote mean
+]
+EDGE_U = [300.0, -300.0, 256.0, -256.0, float("inf"), -float("inf"), float("nan"), 1e30, -1e30, 1.0, -1.0]
+EDGE_D = [1.0, -1.0, 1.0, -1.0, 1.0, -1.0, -1.0, 1.0, -1.0, 1.0, -1.0]  # clamped; NaN votes -1
+
+
+def _zero_and_edges(rank, world, cases):
+    g = torch.Generator().manual_seed(rank)
+    u = torch.rand(3000, generator=g) * 2 - 1
+    u[::3] = 0.0  # 0 on every rank: a gradient that has been 0 since the start
+    u[1::3][rank::world] = 0.0  # 0 on one rank only (no claim)
+    edge = torch.tensor(EDGE_U).repeat(7)
+    out = []
+    for layout, method, inter_method, _ in cases:
+        kw = dict(topology=_topology(layout), method=method, inter_method=inter_method)
+        d = [onebit_all_reduce(u, keys=seed, **kw)[::3] for seed in range(4)]
+        out.append((torch.stack(d), onebit_all_reduce(edge, keys=5, **kw)))
+    return out
+
+
+def test_zero_u_on_every_rank_gives_zero_where_the_method_can_express_it():
+    for res in run_distributed(_zero_and_edges, 4, ZERO_CASES):
+        for (d_zero, d_edge), (layout, method, inter_method, exact) in zip(res, ZERO_CASES, strict=True):
+            case = (layout, method, inter_method)
+            if exact:
+                assert torch.all(d_zero == 0), case
+            else:  # a fair coin per element: +-1, both signs
+                assert set(d_zero.unique().tolist()) == {-1.0, 1.0}, case
+            # |u| >= 256 and +-inf clamp to +-1, NaN votes -1 (every rank sends the same, so d is that vote)
+            assert d_edge.tolist() == EDGE_D * 7, case
+
+
+def test_odd_nodes_of_an_even_count_still_cancel():
+    # 2 nodes of 3: pair (2, 3) straddles the nodes, whose means are then +-1/3 and -+1/3; the two nodes re-quantize
+    # them as a pair, which cancels but for the codec's resolution (2^-24 per element): 0 on all 4000 elements here
+    case = [((2, 3), "hierarchical", "allgather", True)]
+    for ((d_zero, d_edge),) in run_distributed(_zero_and_edges, 6, case):
+        assert torch.all(d_zero == 0) and d_edge.tolist() == EDGE_D * 7
+
+
+def test_odd_world_size_leaves_one_fair_coin():
+    # the last rank has no partner: where u = 0 everywhere, d = +-1/3 (node stage of 3 x 1 alike)
+    cases = [(None, "allgather", "allgather", False), ((3, 1), "hierarchical", "allgather", False)]
+    for res in run_distributed(_zero_and_edges, 3, cases):
+        for d_zero, d_edge in res:
+            assert set(d_zero.unique().tolist()) == {float(torch.tensor(v)) for v in (-1 / 3, 1 / 3)}
+            assert d_edge.tolist() == EDGE_D * 7
 
 
 # ------------------------------------------------------------------------- layout and chunk invariance
@@ -424,7 +513,8 @@ def _one_node_variance(rank, world):
 
 
 def test_hierarchical_on_one_node_keeps_the_exact_vote_mean():
-    # the exact mean of 2 votes, each +-1 with mean 0.3: var (1 - 0.09) / 2 = 0.455; re-quantizing it to +-1 (what
-    # hierarchical did on one node) doubles it to 0.91. 65536 elements: standard error of the variance ~0.004
+    # the exact mean of 2 votes, each +-1 with mean 0.3, drawn as an antithetic pair: d is 1 with probability 0.3,
+    # else 0, so var = |u| - u^2 = 0.21 (independent votes: (1 - 0.09) / 2 = 0.455); re-quantizing it to +-1 (what
+    # hierarchical did on one node) gives 1 - 0.09 = 0.91. 65536 elements: standard error of the variance ~0.002
     (mean, var), _ = run_distributed(_one_node_variance, 2)
-    assert abs(mean - 0.3) < 0.02 and abs(var - 0.455) < 0.03, (mean, var)
+    assert abs(mean - 0.3) < 0.02 and abs(var - 0.21) < 0.02, (mean, var)

@@ -6,7 +6,9 @@ mean ``(2c - m) / m`` is one division rounded once. Reference: the CPU's eager k
 against its compiled ones and against Python integer arithmetic).
 
 Sizes: not divisible by 8 (tails), above ``2^16`` (where the compiled kernels take over) and above ``2^24``. Vote
-counts ``m`` of 3 and 5 make the division inexact; ``m`` of 1, 2 and 4 are exact in any rounding.
+counts ``m`` of 3 and 5 make the division inexact; ``m`` of 1, 2 and 4 are exact in any rounding. The division itself
+(``_vote_mean``, compiled as the kernels compile it) is checked for every count of ``m <= 64`` votes: Triton's float32
+division is approximate (2 ulp), so off the CPU the kernels divide in float64 and round once.
 """
 
 import warnings
@@ -19,7 +21,7 @@ from birder_hf import quantize as Q
 
 SIZES = [13, 1001, (1 << 16) + 3, (1 << 24) + 5]
 OFFSET = 77  # counters of u's first element; the kernels add it to every index
-VOTES = (1, 3, 4)  # rows averaged by votes_mean_ (allgather's decode), into float32 and bfloat16
+VOTES = (1, 3, 4, 5)  # rows averaged by votes_mean_ (allgather's decode), into float32 and bfloat16
 REQUANTIZE = (2, 3)  # rows re-quantized by requantize_pack (a shard owner's draw)
 
 
@@ -60,6 +62,13 @@ def codec_results(device, n: int, compiled: bool) -> dict:
         keys = Q.BitKeys(99, [5, 6, 7][: len(sizes)], [0, 4, 9][: len(sizes)], sizes)
         out["BitKeys.quantize_pack"] = keys.quantize_pack(u, 0, Q.STAGE_WORKER, 1)
         out["BitKeys.requantize_pack"] = keys.requantize_pack(rows[:3], 0, Q.STAGE_NODE, 2)
+        out["BitKeys.quantize_pack reflect"] = keys.quantize_pack(u, 0, Q.STAGE_WORKER, 0, reflect=True)
+        out["BitKeys.requantize_pack reflect"] = keys.requantize_pack(rows[:5], 0, Q.STAGE_NODE, 1, reflect=True)
+        pairs = [(c, m) for m in range(1, 65) for c in range(m + 1)]
+        count = torch.tensor([c for c, _ in pairs], dtype=torch.int32, device=device)
+        m = torch.tensor([m for _, m in pairs], dtype=torch.int32, device=device)
+        divide = torch.compile(Q._vote_mean, dynamic=True, fullgraph=True) if compiled else Q._vote_mean
+        out["_vote_mean every count of m <= 64"] = divide(count, m, torch.float32)
         if device != "cpu":
             torch.cuda.synchronize()
         return {k: v.cpu() for k, v in out.items()}

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from birder_hf import Birder
+from birder_hf.optim import birder
 from birder_hf.reference import BirderReference
 
 
@@ -31,6 +32,7 @@ def test_matches_reference_for_100_steps(amsgrad, quantize, foreach):
     for t in range(100):
         scale = 10.0 ** ((t % 7) - 3)  # gradients over 6 orders of magnitude
         for p, q, g in zip(fast_p, ref_p, _grads(fast_p, t, scale)):
+            g.view(-1)[:3] = 0.0  # coordinates whose gradient is always 0 (u = 0: d = 0, decay only)
             p.grad, q.grad = g.clone(), g.clone()
         fast.step()
         ref.step()
@@ -157,13 +159,29 @@ def test_edge_cases_no_grad_zero_size_zero_gradient_low_precision():
     assert half.dtype == torch.bfloat16 and torch.equal(half.detach(), torch.full((8,), 1.1).bfloat16())
 
 
-def test_zero_gradient_with_quantize_is_a_fair_coin():
-    p = torch.zeros(20_000, requires_grad=True)
-    opt = Birder([p], lr=1.0, seed=0)
-    p.grad = torch.zeros(20_000)
-    opt.step()
-    assert set(p.detach().unique().tolist()) == {-1.0, 1.0}
-    assert abs(p.detach().mean().item()) < 5 / 20_000**0.5
+@pytest.mark.parametrize("foreach", [False, True])
+def test_zero_gradient_coordinates_stay_put_weight_decay_aside(foreach):
+    # torch's convention: an all-zero gradient leaves the parameters unchanged. u = 0 gives d = 0 (no fair coin),
+    # still unbiased; weight decay still applies. Half the coordinates get a gradient and keep moving by +-lr.
+    p, still = torch.full((20_000,), 0.5, requires_grad=True), torch.full((20_000,), 0.5, requires_grad=True)
+    opt = Birder([p], lr=0.1, weight_decay=0.2, seed=0, foreach=foreach)
+    opt_still = Birder([still], lr=0.1, seed=0, foreach=foreach)
+    g = torch.zeros(20_000)
+    g[::2] = torch.randn(10_000)
+    decayed = torch.tensor(0.5)
+    for _ in range(3):
+        p.grad, still.grad = g.clone(), torch.zeros(20_000)
+        opt.step()
+        opt_still.step()
+        decayed.mul_(1 - 0.1 * 0.2)
+    assert torch.all(still.detach() == 0.5)
+    assert torch.all(p.detach()[1::2] == decayed)
+    assert torch.all((p.detach()[::2] - decayed).abs() > 0.25)  # u = sign(g): three steps of lr the same way
+    # the functional form: d = 0 exactly where u = 0 (here u = sign(g))
+    x, grad = torch.ones(6), torch.tensor([0.0, 1.0, -1.0, 0.0, 0.5, 0.0])
+    ds = birder([x], [grad], [torch.zeros(6)], [torch.zeros(6)], keys=[(1, 2)], lr=0.1, beta=0.9, weight_decay=0.0)
+    assert ds[0].tolist() == [0.0, 1.0, -1.0, 0.0, 1.0, 0.0]
+    assert torch.equal(x, 1 - 0.1 * ds[0])
 
 
 def test_maximize_and_closure():

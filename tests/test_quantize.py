@@ -1,6 +1,7 @@
 """The 1-bit codec: unbiasedness, bit packing, counter-based keys, compiled == eager."""
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -35,6 +36,46 @@ def test_hash_matches_uint32_reference():
     assert r.min() >= -(2**23) and r.max() < 2**23
     # uniform: mean 0 +- 5 standard errors (sd of U[-2^23, 2^23) is 2^24 / sqrt(12))
     assert abs(r.mean().item()) < 5 * (2**24 / math.sqrt(12)) / math.sqrt(r.numel())
+
+
+def test_reflected_draw_is_minus_one_minus_r():
+    key = Q.derive_key(7, 11)
+    ref = _reference_int24(1000, key, offset=12345)
+    assert torch.equal(Q.random_int24(1000, key, offset=12345, reflect=True), -1 - ref)
+    # the quantizer's rule on the reflected draw, against Python arithmetic on the reference integers
+    u = torch.rand(1000) * 2 - 1
+    u[:4] = torch.tensor([0.0, 1.0, -1.0, 2.0**-24])
+    want = torch.tensor([(-1 - r) < x * 2**23 for r, x in zip(ref.tolist(), u.tolist())])
+    assert torch.equal(Q.quantize_bits(u, key, offset=12345, reflect=True), want)
+    assert torch.equal(Q.quantize_pack(u, key, 12345, reflect=True), Q.pack_bits(want))
+    assert Q.antithetic(0) == (0, False) and Q.antithetic(1) == (0, True) and Q.antithetic(6) == (3, False)
+
+
+def test_antithetic_pair_keeps_the_law_and_covaries_negatively():
+    # pair votes share r, the odd one reflected: P(q = +1) unchanged, E[q_a q_b] = |u_a + u_b| - 1 (module
+    # docstring); N = 60k elements per (u_a, u_b) (eager kernels), tolerance 5 standard errors (both statistics
+    # lie in [-1, 1]; the covariance estimate has two such terms)
+    n, key = 60_000, Q.derive_key(2, 3)
+    for ua, ub in [(0.0, 0.0), (0.5, 0.5), (-0.3, 0.8), (0.9, -0.9), (-0.6, -0.2)]:
+        qa = Q.binary_randomize(torch.full((n,), ua), generator=key).double()
+        qb = Q.quantize_bits(torch.full((n,), ub), key, reflect=True).double() * 2 - 1
+        se = 5 / math.sqrt(n)
+        assert abs(qb.mean().item() - ub) <= se and abs(qa.mean().item() - ua) <= se
+        cov = (qa * qb).mean().item() - ua * ub
+        assert abs(cov - (abs(ua + ub) - 1 - ua * ub)) <= 2 * se and cov <= 2 * se
+    # u = 0 on both: the votes cancel exactly, element by element
+    zero = torch.zeros(10_001)
+    assert torch.all(Q.quantize_bits(zero, key) ^ Q.quantize_bits(zero, key, reflect=True))
+
+
+def test_out_of_range_u_is_clamped_and_nan_votes_minus_one():
+    # the threshold of |u| >= 256 used to overflow int32 (a fair coin); the float32 comparison clamps instead
+    edge = torch.tensor([256.0, -256.0, 300.0, 1e30, -1e30, float("inf"), -float("inf"), float("nan"), 1.0, -1.0])
+    want = torch.tensor([1, 0, 1, 1, 0, 1, 0, 0, 1, 0], dtype=torch.bool)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        for reflect in (False, True):
+            for key in (Q.derive_key(0), Q.derive_key(1)):
+                assert torch.equal(Q.quantize_bits(edge.to(dtype), key, reflect=reflect), want)
 
 
 @pytest.mark.parametrize("value", [-1.0, -0.9, -0.3, 0.0, 0.25, 0.77, 1.0])
@@ -138,12 +179,39 @@ def test_requantize_pack_is_quantize_pack_of_the_mean(m):
     rows, key = _votes(m, 40, seed=m), Q.derive_key(4, m)
     mean = _reference_mean(rows, 320, torch.float32)
     assert torch.equal(Q.requantize_pack(rows, key, 77), Q.quantize_pack(mean, key, 77))
+    assert torch.equal(Q.requantize_pack(rows, key, 77, reflect=True), Q.quantize_pack(mean, key, 77, reflect=True))
     # per segment, with segment borders inside bytes, and a slice that starts mid-buffer
     keys = Q.BitKeys(3, 5, [2, 0, 1, 3], [13, 1, 250, 56])
     assert torch.equal(keys.requantize_pack(rows, 0, Q.STAGE_SHARD, 1), keys.quantize_pack(mean, 0, Q.STAGE_SHARD, 1))
     assert torch.equal(
         keys.requantize_pack(rows[:, 1:30], 8, Q.STAGE_NODE, 0), keys.quantize_pack(mean[8:240], 8, Q.STAGE_NODE, 0)
     )
+
+
+def _round_to_float32(x: Fraction) -> float:
+    # the float32 nearest to x, ties to even, from exact rational arithmetic (independent of any division)
+    c = torch.tensor(float(x), dtype=torch.float32)
+    candidates = [torch.nextafter(c, torch.tensor(-math.inf)), c, torch.nextafter(c, torch.tensor(math.inf))]
+    return min(candidates, key=lambda v: (abs(Fraction(v.item()) - x), int(v.view(torch.int32)) & 1)).item()
+
+
+def test_vote_mean_is_the_correctly_rounded_quotient_for_every_count():
+    # (2c - m) / m for every count c <= m <= 64: the eager division, the compiled one (inductor) and the exact
+    # rational rounded once agree bit for bit, in float32 and float64; so does the float64 quotient rounded to
+    # float32, which the kernels use off the CPU (Triton's float32 division is approximate)
+    pairs = [(c, m) for m in range(1, 65) for c in range(m + 1)]
+    count = torch.tensor([c for c, _ in pairs], dtype=torch.int32)
+    m = torch.tensor([m for _, m in pairs], dtype=torch.int32)
+    want32 = torch.tensor([_round_to_float32(Fraction(2 * c - k, k)) for c, k in pairs], dtype=torch.float32)
+    want64 = torch.tensor([float(Fraction(2 * c - k, k)) for c, k in pairs], dtype=torch.float64)
+    compiled = torch.compile(Q._vote_mean, dynamic=True, fullgraph=True)
+    for dtype, want in ((torch.float32, want32), (torch.float64, want64)):
+        for work in (None, torch.float64):
+            assert torch.equal(Q._vote_mean(count, m, dtype, work), want)
+            assert torch.equal(compiled(count, m, dtype, work), want)
+    # and through the public kernel, with rows whose columns hold every count of m = 63 votes
+    rows = Q.pack_bits(torch.arange(63).view(-1, 1) < torch.arange(64).view(1, -1)).view(63, -1)
+    assert torch.equal(Q.votes_mean_(torch.empty(64), rows), (2 * torch.arange(64.0) - 63) / 63)
 
 
 def test_bitkeys_do_not_depend_on_layout():
@@ -183,16 +251,20 @@ def test_compiled_codec_is_bitwise_equal_to_eager():
     counts = torch.stack([Q.unpack_bits(r, 8 * rows.shape[1]) for r in rows]).sum(0)
     planes = torch.stack([Q.pack_bits((counts >> j) & 1) for j in range(2)])
     keys = Q.BitKeys(3, 5, [2, 0, 1], [1001, 3, 8 * rows.shape[1] - 1004])
+    edge = torch.tensor([256.0, -300.0, float("inf"), -float("inf"), float("nan"), 1e30, 0.5, -0.5]).repeat(n // 8)
 
     def run():
         return (
             Q.quantize_pack(u, key, 99),
+            Q.quantize_pack(u, key, 99, reflect=True),
+            Q.unpack_bits(Q.quantize_pack(edge, key), 8)[:6],  # clamped, NaN -1: [1, 0, 1, 0, 0, 1]
             Q.unpack_bits(Q.quantize_pack(u, key), n),
             Q.votes_mean_(torch.empty(n), rows),
             Q.votes_mean_(torch.empty(n, dtype=torch.bfloat16), rows[:1]),  # the +-1 signs
             Q.digits_mean_(torch.empty(n, dtype=torch.float64), planes, 3),
             Q.requantize_pack(rows, key, 5),  # compiled: a fused kernel; eager: mean, then quantize_pack
             keys.requantize_pack(rows, 0, Q.STAGE_SHARD, 1),
+            keys.requantize_pack(rows, 0, Q.STAGE_NODE, 1, reflect=True),
         )
 
     try:
@@ -205,3 +277,4 @@ def test_compiled_codec_is_bitwise_equal_to_eager():
     assert not Q._codec._failed
     for a, b in zip(fast, slow, strict=True):
         assert torch.equal(a, b)
+    assert fast[2].tolist() == [True, False, True, False, False, True]

@@ -16,6 +16,22 @@ Deviations from the paper (reconstructed: the paper's code was not available to 
     - on one node (k = 1), ``hierarchical`` keeps the exact mean of the L votes (as ``allgather`` for L <= 4,
       else step 4 shares their counts) instead of re-quantizing it to 1 bit: nothing crosses nodes, so there is
       nothing to save;
+    - antithetic pairs (``quantize.antithetic``): ranks ``2i`` and ``2i+1`` quantize with one shared random
+      variate per element, the odd one reflected, and so do nodes ``2i`` and ``2i+1`` when they re-quantize their
+      node means (a last, unpaired rank or node draws alone). Each vote keeps its law, so ``E[d]`` is unchanged.
+      The variance of ``d`` never exceeds that of independent draws: ``d`` is either one ±1 bit (``scatter_gather``,
+      ``inter_method="scatter_gather"``: ``Var(d) = 1 - E[d]^2`` whatever the coupling) or the mean of ±1 votes
+      or node bits ``X``, whose variances ``1 - E[X]^2`` do not depend on the coupling either, and whose
+      covariances are all ``<= 0``: every ``X`` is non-decreasing in the votes it is made of, and each shared
+      variate enters its pair's two draws one non-increasing, one non-decreasing; conditioning on every other
+      variate, Chebyshev's sum inequality gives a covariance ``<= 0`` and the conditional means, functions of
+      independent variates, covary by 0 (one shared variate at a time, by the law of total covariance). A
+      coordinate whose ``u`` is 0 on every rank (a gradient that has been 0 everywhere since the start: BERT's
+      padding row, unseen vocabulary) gets ``d = 0`` exactly from ``allgather`` with an even world size, from
+      ``hierarchical`` on one node of an even ``L``, and across ``k`` nodes with ``inter_method="allgather"`` when
+      ``k`` is even (or 1) and ``L`` is even (or 1): pairs of zero votes cancel, so node means are 0, and pairs
+      of zero node means cancel again. Methods whose result is one ±1 bit cannot express 0, and an odd number
+      of ranks (or nodes) leaves one fair coin: ``d = ±1/n`` (or ``±1/k``); ``docs/ALGORITHM.md`` lists what remains;
     - received votes are never unpacked: fused kernels (``quantize.votes_mean_``, ``digits_mean_``,
       ``requantize_pack``) count them straight from the packed bytes and write the mean, or its re-quantized
       bits, in one pass; step 4's vote counts are made bit-sliced (a ripple-carry adder over the bytes).
@@ -43,7 +59,16 @@ from dataclasses import dataclass, fields
 import torch
 import torch.distributed as dist
 
-from .quantize import STAGE_INTER_SHARD, STAGE_NODE, STAGE_SHARD, STAGE_WORKER, BitKeys, digits_mean_, votes_mean_
+from .quantize import (
+    STAGE_INTER_SHARD,
+    STAGE_NODE,
+    STAGE_SHARD,
+    STAGE_WORKER,
+    BitKeys,
+    antithetic,
+    digits_mean_,
+    votes_mean_,
+)
 from .topology import Topology
 
 __all__ = [
@@ -632,7 +657,12 @@ class _Plan:
             return
         # 1-2) node mean of my node shard from the L votes, re-quantized to 1 bit by this rank only
         # (with L == 1 the vote is already +-1 and re-quantizing it would return the same bit)
-        node_bits = recv if lws == 1 else self.keys.requantize_pack(recv.view(lws, -1), c0 + j * shard, STAGE_NODE, g)
+        # (nodes 2i, 2i+1 draw as an antithetic pair: where both node means are 0 their bits cancel)
+        if lws == 1:
+            node_bits = recv
+        else:
+            who, reflect = antithetic(g)
+            node_bits = self.keys.requantize_pack(recv.view(lws, -1), c0 + j * shard, STAGE_NODE, who, reflect=reflect)
         if self.inter_method == "allgather":
             # 3) every rank of my column gets all k node bits of the shard: their exact mean, no draw
             gathered = wire.all_gather_sync(node_bits, "inter").view(k, -1)
@@ -684,7 +714,11 @@ def onebit_all_reduce(
         q_r = Q(u_r), \\qquad d = \\mathrm{OneBitAllReduce}(q_1..q_n), \\qquad E[d] = \\frac{1}{n} \\sum_r u_r
 
     Args:
-        u (`torch.Tensor`): this rank's values in ``[-1, 1]``, any shape, fp16/bf16/fp32/fp64.
+        u (`torch.Tensor`): this rank's values in ``[-1, 1]``, any shape, fp16/bf16/fp32/fp64. Values outside are
+            clamped by the quantizer itself, in the same pass (``u >= 1``, ``+inf`` included, always votes +1;
+            ``u <= -1`` always -1), and NaN votes -1. Nothing is refused: a check would cost a pass and a
+            device-to-host sync per call, and the DDP hook sends the ``u`` of a non-finite gradient too, before
+            every rank agrees to skip that step (Birder's encoder gives ``u`` in ``[-1, 1]`` otherwise).
         topology (`Topology`, *optional*): defaults to the default group itself
             (``Topology.flat(dedicated=False)``: nothing is built per call). Async calls that may overlap
             must share one ``Topology``: calls on it run in call order; a dedicated one (any constructor's
@@ -766,8 +800,13 @@ def onebit_all_reduce(
         fut.set_result(result)
         return fut
 
-    # quantize my votes once (so u may change after an async return); padding votes -1 (bit 0)
-    packed = keys.quantize_pack(flat, 0, STAGE_WORKER, topo.rank) if numel else flat.new_empty(0, dtype=torch.uint8)
+    # quantize my votes once (so u may change after an async return), as one of an antithetic pair of ranks;
+    # padding votes -1 (bit 0)
+    who, reflect = antithetic(topo.rank)
+    if numel:
+        packed = keys.quantize_pack(flat, 0, STAGE_WORKER, who, reflect=reflect)
+    else:
+        packed = flat.new_empty(0, dtype=torch.uint8)
     if packed.numel() * 8 != padded:
         packed = torch.cat([packed, packed.new_zeros(padded // 8 - packed.numel())])
     chunks = [(c0, min(c0 + step, padded)) for c0 in range(0, padded, step)] if padded else []

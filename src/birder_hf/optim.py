@@ -8,7 +8,7 @@ Deviations from the paper (its full text and code were not available to us; ``do
 - The update equations below are our reconstruction from the abstract, the official code's flags and the
   footnote on Algorithm 1: one ``beta`` for the EMA of the gradient and of its absolute value, so that
   ``|m| <= b`` and ``u = m / b`` lies in ``[-1, 1]``.
-- The random bits come from a counter-based hash keyed by (seed, step, parameter, stage, rank), see
+- The random bits come from a counter-based hash keyed by (seed, step, parameter, stage, rank pair), see
   ``birder_hf.quantize``, so that resume is exact and the bits do not depend on DDP's bucket layout.
 - ``quantize=False`` and ``amsgrad=True`` are opt-in extras (a single-process reference, and the
   max-variant the paper uses only in its theory).
@@ -89,9 +89,12 @@ class Birder(OneBitOptimizer):
 
     Edge cases: parameters without ``.grad`` are skipped (no state, step not counted); zero-size
     parameters are allowed; integer and complex parameters, and a parameter listed twice, are refused at
-    construction; sparse gradients raise; coordinates whose gradient has always been 0 have
-    :math:`b = 0`, hence :math:`u = 0` and a fair coin :math:`q = \pm 1` (mean 0: unbiased, but with
-    ``quantize=True`` they random-walk by :math:`\pm\eta`); with ``quantize=False`` they only decay.
+    construction; sparse gradients raise. Coordinates whose gradient has always been 0 have :math:`b = 0`, hence
+    :math:`u = 0`; in one process :math:`d = 0` wherever :math:`u = 0` exactly (unbiased, and torch's convention that
+    all-zero gradients leave parameters where they are: only weight decay moves them). Across ranks, pairs of ranks
+    draw antithetically (``birder_hf.quantize``), so such a coordinate gets :math:`d = 0` from the exact-mean methods
+    with an even number of ranks (and nodes); one that has to send a single bit, or an odd rank out, gives it a fair
+    coin: ``docs/ALGORITHM.md``.
 
     Args:
         params (`iterable`): parameters or param groups.
@@ -304,7 +307,7 @@ class Birder(OneBitOptimizer):
             )
 
     def _local_updates(self) -> list[Update] | None:
-        # one process: encode, then quantize locally (rank 0's keys)
+        # one process: encode, then quantize locally (rank 0's keys; d = 0 where u == 0)
         batch = self.gradients()
         if not all_finite([g for gg in batch for g in gg.grads]):
             warnings.warn(
@@ -323,8 +326,11 @@ class Birder(OneBitOptimizer):
 
 
 def _signs(u: torch.Tensor, key: tuple[int, int], offset: int = 0) -> torch.Tensor:
-    # Q(u): +1 with probability (1 + u) / 2, else -1, in u's dtype and shape (offset: the counter of u's first element)
-    return torch.where(quantize_bits(u, key, offset).view_as(u), 1.0, -1.0).to(u.dtype)
+    # Q(u): +1 with probability (1 + u) / 2, else -1, in u's dtype and shape (offset: the counter of u's first
+    # element); and 0 where u == 0 exactly: still unbiased, and a coordinate whose gradient has always been 0 stays
+    # put (torch's convention), no fair coin
+    q = torch.where(quantize_bits(u, key, offset).view_as(u), 1.0, -1.0).to(u.dtype)
+    return q.masked_fill_(u == 0, 0.0)
 
 
 class StateBuffers(NamedTuple):
@@ -417,8 +423,9 @@ def birder(
     maximize: bool = False,
     foreach: bool | None = None,
 ) -> list[torch.Tensor]:
-    r"""One-process Birder step (see :class:`Birder`): encode, :math:`d = Q(u)` (or ``u`` without ``quantize``),
-    apply. ``keys[i]`` keys the random bits of ``params[i]``. Returns the directions :math:`d`."""
+    r"""One-process Birder step (see :class:`Birder`): encode, :math:`d = Q(u)` (0 where :math:`u = 0`; or ``u``
+    without ``quantize``), apply. ``keys[i]`` keys the random bits of ``params[i]``. Returns the directions
+    :math:`d`."""
     us = birder_encode(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, beta=beta, maximize=maximize, foreach=foreach)
     ds = [_signs(u, key) for u, key in zip(us, keys)] if quantize else us
     birder_apply(params, ds, lr=lr, weight_decay=weight_decay)

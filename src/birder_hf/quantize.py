@@ -20,7 +20,23 @@ re-create any other rank's draw. The 24 high bits of the hash give an integer ``
 
 Both sides are exact in float32, so every device and the float64 reference agree bit for bit.
 ``P(q_j = +1) = (\\lceil u_j 2^{23} \\rceil + 2^{23}) / 2^{24}``: the resolution is ``2^{-24}`` and the
-bias ``E[q_j] - u_j`` lies in ``[0, 2^{-23})``.
+bias ``E[q_j] - u_j`` lies in ``[0, 2^{-23})``. The comparison is made in float32, which also clamps: ``u >= 1``
+(``+inf`` too) always gives +1, ``u <= -1`` always -1, NaN -1; no value makes the threshold overflow.
+
+**Antithetic pairs** (our extension; :func:`antithetic`). The voters of one draw (the ranks of a 1-bit all-reduce,
+or its nodes) draw in pairs: members ``2 i`` and ``2 i + 1`` use pair ``i``'s key, hence the same ``r`` at every
+element, and the odd member reflects it, ``r -> -1 - r``, a bijection of ``[-2^23, 2^23)``: each member's vote
+keeps exactly the law above. With thresholds ``t = \\lceil u 2^{23} \\rceil`` the pair votes ``+1`` together iff
+``-t_b <= r < t_a`` and ``-1`` together iff ``t_a <= r < -t_b``, so, writing ``u`` for ``t / 2^{23}``,
+
+.. math::
+    E[q_a q_b] = |u_a + u_b| - 1, \\qquad
+    \\mathrm{Cov}(q_a, q_b) = |u_a + u_b| - 1 - u_a u_b \\le 0
+
+(``(1 + u_a)(1 + u_b) >= 0`` and ``(1 - u_a)(1 - u_b) >= 0``), and ``Var(q_a + q_b) = |s| (2 - |s|)`` with
+``s = u_a + u_b``, never more than the independent draws' ``2 - u_a^2 - u_b^2``. At ``u_a = u_b = 0`` the two votes
+are ``+1`` iff ``r < 0`` and ``+1`` iff ``r >= 0``: they cancel exactly. (Also: ``q_a`` is non-increasing and ``q_b``
+non-decreasing in the shared ``r``, which is what ``birder_hf.collectives`` uses for means of means.)
 
 Bits are packed little-endian, 8 to a byte: bit ``k`` of byte ``i`` holds element ``8 i + k``
 (``True`` = +1), and the last byte is padded with zeros.
@@ -43,6 +59,7 @@ __all__ = [
     "quantize_bits",
     "quantize_pack",
     "BitKeys",
+    "antithetic",
     "set_codec_compile",
 ]
 
@@ -86,14 +103,18 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ ((x >> 15) & 0x1FFFF)
 
 
-def _int24_at(idx: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+def _int24_at(idx: torch.Tensor, params: torch.Tensor, reflect: bool = False) -> torch.Tensor:
     # params = [k1, k2, offset, ...] as int32; two hash rounds of the int32 counters ``idx`` (offset already
-    # added, modulo 2^32) keyed by both key words. Returns int32 r, uniform on [-2^23, 2^23) (arithmetic >> 8).
-    return _hash32(_hash32(idx ^ params[0]) ^ params[1]) >> 8
+    # added, modulo 2^32) keyed by both key words. Returns int32 r, uniform on [-2^23, 2^23) (arithmetic >> 8),
+    # or its reflection -1 - r (= ~r, the same range). ``reflect`` is a Python bool, so a compiled kernel holds
+    # a constant (one variant per value; a rank only ever uses one): a flip word read from ``params`` made the
+    # compiled CPU kernel ~5x slower (it stopped vectorizing).
+    r = _hash32(_hash32(idx ^ params[0]) ^ params[1]) >> 8
+    return ~r if reflect else r
 
 
-def _int24(numel: int, params: torch.Tensor, device) -> torch.Tensor:
-    return _int24_at(torch.arange(numel, dtype=torch.int32, device=device) + params[2], params)
+def _int24(numel: int, params: torch.Tensor, device, reflect: bool = False) -> torch.Tensor:
+    return _int24_at(torch.arange(numel, dtype=torch.int32, device=device) + params[2], params, reflect)
 
 
 def _int32_words(words: list[int], device) -> torch.Tensor:
@@ -113,20 +134,25 @@ def _key_params(key: tuple[int, int], offset: int, device, *extra: int) -> torch
     return _int32_words([_to_i32(key[0]), _to_i32(key[1]), _to_i32(offset), *extra], device)
 
 
-def random_int24(numel: int, key: tuple[int, int], offset: int = 0, device=None) -> torch.Tensor:
-    """The random integers ``r`` in ``[-2^23, 2^23)`` (int32) for counters ``offset .. offset+numel-1``."""
-    return _int24(numel, _key_params(key, offset, device), device)
+def random_int24(numel: int, key: tuple[int, int], offset: int = 0, device=None, *, reflect: bool = False):
+    """The random integers ``r`` in ``[-2^23, 2^23)`` (int32) for counters ``offset .. offset+numel-1``.
+
+    ``reflect=True`` gives ``-1 - r`` instead: the antithetic partner's draw (same range, same uniform law).
+    """
+    return _int24(numel, _key_params(key, offset, device), device, reflect)
 
 
 def _below(r: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    # 1 iff r < u * 2^23, i.e. r < ceil(u * 2^23) for the integer r; pure integer arithmetic (no masks, no
-    # clamp) so that the compiled kernel vectorizes. u must lie in [-1, 1].
-    return ((r - torch.ceil(u * 8388608.0).to(torch.int32)) >> 31) & 1  # 2^23
+    # 1 iff r < u * 2^23 (float32 u), as int32 0/1. Both sides are exact in float32 (|r| <= 2^23, u * 2^23 is a
+    # power-of-two scaling), and for the integer r this is r < ceil(u * 2^23). The float comparison also clamps:
+    # u >= 1 (+inf too) always gives 1, u <= -1 always 0, NaN always 0; nothing overflows (an int32 threshold
+    # did for |u| >= 256). It compiles to a faster kernel than the integer form (benchmarks/codec.py).
+    return (r.to(torch.float32) < u * 8388608.0).to(torch.int32)  # 2^23
 
 
-def _bits_impl(u: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+def _bits_impl(u: torch.Tensor, params: torch.Tensor, reflect: bool = False) -> torch.Tensor:
     u = u.reshape(-1).to(torch.float32)
-    return _below(_int24(u.numel(), params, u.device), u)
+    return _below(_int24(u.numel(), params, u.device, reflect), u)
 
 
 def _pack_impl(bits: torch.Tensor) -> torch.Tensor:
@@ -137,12 +163,12 @@ def _pack_impl(bits: torch.Tensor) -> torch.Tensor:
     return out.to(torch.uint8)
 
 
-def _quantize_pack_impl(u: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-    return _pack_impl(_bits_impl(u, params))
+def _quantize_pack_impl(u: torch.Tensor, params: torch.Tensor, reflect: bool = False) -> torch.Tensor:
+    return _pack_impl(_bits_impl(u, params, reflect))
 
 
-def _quantize_bits_impl(u: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-    return _bits_impl(u, params).to(torch.bool)
+def _quantize_bits_impl(u: torch.Tensor, params: torch.Tensor, reflect: bool = False) -> torch.Tensor:
+    return _bits_impl(u, params, reflect).to(torch.bool)
 
 
 def _unpack_impl(packed: torch.Tensor) -> torch.Tensor:
@@ -152,10 +178,17 @@ def _unpack_impl(packed: torch.Tensor) -> torch.Tensor:
     return ((b >> shifts) & 1).reshape(-1).to(torch.uint8)
 
 
-def _vote_mean(count: torch.Tensor, m: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    # (2 count - m) / m for m +-1 votes, rounded once in ``dtype``. m is a tensor: inductor would turn a
-    # division by a constant into a multiplication by its reciprocal, which is not bitwise the same.
-    return (2 * count - m).to(dtype) / m.to(dtype)
+def _vote_mean(count: torch.Tensor, m: torch.Tensor, dtype: torch.dtype, work: torch.dtype | None = None):
+    # (2 count - m) / m for m +-1 votes, correctly rounded to ``dtype`` (float32 or float64) on every device. The CPU
+    # divides by IEEE rules (eager, and inductor's C++ kernels); Triton's float32 division is approximate (up to
+    # 2 ulp), so elsewhere the quotient is taken in float64 and rounded once: for integers below 2^24 that is the
+    # same correctly rounded float32 (double rounding is harmless with 53 >= 2 * 24 + 2 bits). Float64 halves the
+    # CPU kernel's speed, hence only off the CPU; tests/test_quantize.py checks both ``work`` forms against exact
+    # rationals for every count of m <= 64 votes. m is a tensor: inductor would turn a division by a constant
+    # into a multiplication by its reciprocal, which is not bitwise the same.
+    if work is None:
+        work = dtype if count.device.type == "cpu" else torch.float64
+    return ((2 * count - m).to(work) / m.to(work)).to(dtype)
 
 
 def _pair_bits(row: torch.Tensor) -> torch.Tensor:
@@ -184,13 +217,13 @@ def _digits_mean_impl(planes: torch.Tensor, m: torch.Tensor, out: torch.Tensor) 
     _mean_out(out, sum(_pair_bits(planes[j]) << j for j in range(planes.shape[0])), m)
 
 
-def _requantize_pack_impl(rows: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+def _requantize_pack_impl(rows: torch.Tensor, params: torch.Tensor, reflect: bool = False) -> torch.Tensor:
     # float32 mean of the m vote rows (m, P) (params[3] = m), then quantize_pack: few ops, for eager calls
     count = sum(_unpack_impl(rows[r]).to(torch.int32) for r in range(rows.shape[0]))
-    return _quantize_pack_impl(_vote_mean(count, params[3], torch.float32), params)
+    return _quantize_pack_impl(_vote_mean(count, params[3], torch.float32), params, reflect)
 
 
-def _requantize_pack_fused(rows: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+def _requantize_pack_fused(rows: torch.Tensor, params: torch.Tensor, reflect: bool = False) -> torch.Tensor:
     # the same in one compiled pass: bit k of byte i is element 8 i + k, whose mean and counter are computed
     # in place (nothing unpacked); eagerly it would launch ~8 (3 m + 12) small ops
     idx = torch.arange(rows.shape[1], dtype=torch.int32, device=rows.device) * 8 + params[2]
@@ -198,7 +231,8 @@ def _requantize_pack_fused(rows: torch.Tensor, params: torch.Tensor) -> torch.Te
     out = 0
     for k in range(8):
         count = sum((rows[r] >> k) & 1 for r in range(rows.shape[0]))
-        out = out | (_below(_int24_at(idx + k, params), _vote_mean(count, params[3], torch.float32)) << k)
+        mean = _vote_mean(count, params[3], torch.float32)
+        out = out | (_below(_int24_at(idx + k, params, reflect), mean) << k)
     return out.to(torch.uint8)
 
 
@@ -274,13 +308,14 @@ def _run(name: str, numel: int, *args):
     return _codec(name, *args)
 
 
-def quantize_bits(u: torch.Tensor, key: tuple[int, int], offset: int = 0) -> torch.Tensor:
+def quantize_bits(u: torch.Tensor, key: tuple[int, int], offset: int = 0, *, reflect: bool = False) -> torch.Tensor:
     """Binary randomization of ``u`` (any shape) as a flat bool tensor (``True`` = +1).
 
-    ``u`` must be finite and lie in ``[-1, 1]`` (the optimizer guarantees it; :func:`binary_randomize`
-    clamps); other values give unspecified bits. ``offset`` is the counter of ``u``'s first element.
+    ``u`` lies in ``[-1, 1]`` (Birder's encoder guarantees it); values outside are clamped by the rule itself
+    (``u >= 1``, ``+inf`` included, always gives +1, ``u <= -1`` always -1) and NaN gives -1, in the same pass.
+    ``offset`` is the counter of ``u``'s first element; ``reflect`` draws with ``-1 - r`` (see :func:`antithetic`).
     """
-    return _run("bits", u.numel(), u, _key_params(key, offset, u.device))
+    return _run("bits", u.numel(), u, _key_params(key, offset, u.device), reflect)
 
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
@@ -309,7 +344,7 @@ def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
     return _run("unpack", numel, packed.reshape(-1))[:numel].view(torch.bool)
 
 
-def quantize_pack(u: torch.Tensor, key: tuple[int, int], offset: int = 0) -> torch.Tensor:
+def quantize_pack(u: torch.Tensor, key: tuple[int, int], offset: int = 0, *, reflect: bool = False) -> torch.Tensor:
     """Binary randomization of ``u`` fused with :func:`pack_bits`: ``ceil(u.numel() / 8)`` uint8.
 
     Same contract as :func:`quantize_bits`; one pass over ``u`` when compiled.
@@ -318,9 +353,9 @@ def quantize_pack(u: torch.Tensor, key: tuple[int, int], offset: int = 0) -> tor
     n = u.numel()
     full = n - n % 8
     if n % 8 == 0:
-        return _run("quantize_pack", n, u, _key_params(key, offset, u.device))
-    head = _run("quantize_pack", full, u[:full], _key_params(key, offset, u.device)) if full else None
-    tail = pack_bits(quantize_bits(u[full:], key, offset + full))
+        return _run("quantize_pack", n, u, _key_params(key, offset, u.device), reflect)
+    head = _run("quantize_pack", full, u[:full], _key_params(key, offset, u.device), reflect) if full else None
+    tail = pack_bits(quantize_bits(u[full:], key, offset + full, reflect=reflect))
     return tail if head is None else torch.cat([head, tail])
 
 
@@ -358,14 +393,14 @@ def digits_mean_(out: torch.Tensor, planes: torch.Tensor, m: int) -> torch.Tenso
     return _mean_of_counts("digits_mean", out, planes, m)
 
 
-def requantize_pack(rows: torch.Tensor, key: tuple[int, int], offset: int = 0) -> torch.Tensor:
+def requantize_pack(rows: torch.Tensor, key: tuple[int, int], offset: int = 0, *, reflect: bool = False):
     """Binary randomization of the mean of ``m`` packed ±1 vote rows ``(m, P)``, packed: ``P`` uint8.
 
-    Bitwise equal to ``quantize_pack(v, key, offset)`` with ``v`` the float32 mean of :func:`votes_mean_`,
-    in one pass over the votes when compiled.
+    Bitwise equal to ``quantize_pack(v, key, offset, reflect=reflect)`` with ``v`` the float32 mean of
+    :func:`votes_mean_`, in one pass over the votes when compiled.
     """
     params = _key_params(key, offset, rows.device, rows.shape[0])
-    return _run("requantize_pack", 8 * rows.shape[1], rows, params)
+    return _run("requantize_pack", 8 * rows.shape[1], rows, params, reflect)
 
 
 def binary_randomize(u: torch.Tensor, generator: torch.Generator | int | tuple[int, int] | None = None):
@@ -373,7 +408,7 @@ def binary_randomize(u: torch.Tensor, generator: torch.Generator | int | tuple[i
 
     Args:
         u (`torch.Tensor`): values in ``[-1, 1]``; values outside are clamped by the rule (``u >= 1``
-            always gives +1, ``u <= -1`` always -1) and NaN gives -1.
+            always gives +1, ``u <= -1`` always -1) and NaN gives -1 (as :func:`quantize_bits`).
         generator (`torch.Generator`, `int` or key, *optional*): where the key of the counter-based
             draw comes from: a ``torch.Generator`` (two 32-bit words are drawn from it), an integer
             seed, a key from :func:`derive_key`, or ``None`` for torch's default generator.
@@ -395,9 +430,18 @@ def binary_randomize(u: torch.Tensor, generator: torch.Generator | int | tuple[i
     else:
         words = torch.randint(0, 1 << 31, (2,), generator=generator, dtype=torch.int64)
         key = derive_key(int(words[0]), int(words[1]))
-    bits = quantize_bits(u.detach().float().clamp(-1.0, 1.0).nan_to_num(-1.0), key)
+    bits = quantize_bits(u.detach(), key)
     one = torch.ones((), dtype=u.dtype, device=u.device)
     return torch.where(bits, one, -one).reshape(u.shape)
+
+
+def antithetic(member: int) -> tuple[int, bool]:
+    """``(who, reflect)`` of a drawing ``member`` (a rank, or a node): members ``2 i`` and ``2 i + 1`` form pair
+    ``i``, share its key and the odd one reflects the draw (``r -> -1 - r``); a last, unpaired member draws alone.
+
+    See the module docstring: each vote keeps its law exactly, and a pair's two votes never covary positively.
+    """
+    return member // 2, member % 2 == 1
 
 
 class BitKeys:
@@ -407,7 +451,8 @@ class BitKeys:
     ``derive_key(seed, step, segment_ids[s], stage, who)``, so its random bit does not depend on where
     the segment sits in a DDP bucket, a shard or a chunk. A segment that is a shard of a parameter (FSDP) gives
     the index of its first element in the flattened full parameter as its offset: element ``j`` of the parameter
-    then draws from counter ``j`` whichever rank holds it.
+    then draws from counter ``j`` whichever rank holds it. The two members of an antithetic pair
+    (:func:`antithetic`) draw with the same ``who`` and one of them with ``reflect=True``.
 
     Args:
         seed (`int`): the optimizer's seed.
@@ -449,7 +494,8 @@ class BitKeys:
         return cls(seed, step, [segment_id], [numel])
 
     def key(self, segment: int, stage: int, who: int) -> tuple[int, int]:
-        """The key of segment ``segment`` at ``stage`` drawn by ``who`` (a rank, or a node)."""
+        """The key of segment ``segment`` at ``stage`` drawn by ``who`` (a shard owner: 0; workers and nodes: their
+        antithetic pair, :func:`antithetic`)."""
         return derive_key(self.seed, self.steps[segment], self.ids[segment], stage, who)
 
     def _pieces(self, start: int, stop: int):
@@ -479,26 +525,28 @@ class BitKeys:
             out[a // 8 : a // 8 + part.numel()] |= part
         return out
 
-    def quantize_pack(self, u: torch.Tensor, start: int, stage: int, who: int) -> torch.Tensor:
+    def quantize_pack(self, u: torch.Tensor, start: int, stage: int, who: int, *, reflect: bool = False):
         """Packed bits of ``u``, the flat range ``[start, start + u.numel())`` of the buffer.
 
-        Elements past ``self.numel`` (padding) are quantized under the last segment's key continued,
-        which keeps them deterministic; callers give padding ``u = -1`` so its bit is always 0.
+        ``reflect`` draws with ``-1 - r`` (the odd member of an antithetic pair: :func:`antithetic`). Elements past
+        ``self.numel`` (padding) are quantized under the last segment's key continued, which keeps them
+        deterministic; callers give padding ``u = -1`` so its bit is always 0.
         """
         u = u.reshape(-1)
 
         def encode(a, b, key, off):  # elements [a, b) of u under one key
-            return quantize_pack(u[a:b], key, off)
+            return quantize_pack(u[a:b], key, off, reflect=reflect)
 
         return self._pack(u.numel(), start, stage, who, encode, u.device)
 
-    def requantize_pack(self, rows: torch.Tensor, start: int, stage: int, who: int) -> torch.Tensor:
+    def requantize_pack(self, rows: torch.Tensor, start: int, stage: int, who: int, *, reflect: bool = False):
         """:func:`requantize_pack` of the vote rows ``(m, P)`` of elements ``[start, start + 8 P)``, per segment.
 
-        Bitwise equal to ``self.quantize_pack(v, start, stage, who)`` for ``v`` the float32 mean of the votes.
+        Bitwise equal to ``self.quantize_pack(v, start, stage, who, reflect=reflect)`` for ``v`` the float32 mean
+        of the votes.
         """
 
         def encode(a, b, key, off):  # elements [a, b) of the votes under one key
-            return requantize_pack(rows[:, a // 8 : b // 8], key, off)
+            return requantize_pack(rows[:, a // 8 : b // 8], key, off, reflect=reflect)
 
         return self._pack(8 * rows.shape[1], start, stage, who, encode, rows.device)

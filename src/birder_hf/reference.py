@@ -2,7 +2,8 @@
 
 Plain tensor arithmetic, one parameter at a time, no fused kernels: every line is one line of the
 update rule. It draws its bits from the same counter-based generator as :class:`birder_hf.Birder`
-(``random_int24``), so with the same seed both take the same random decisions.
+(``random_int24``), so with the same seed both take the same random decisions. Where ``u`` is exactly 0 the
+direction is 0 (no coin: a coordinate whose gradient has always been 0 moves by weight decay only).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ __all__ = ["BirderReference"]
 
 
 class BirderReference:
-    """x <- x - lr * (Q(m / b) + wd * x), m and b EMAs of g and |g| (single process, rank 0)."""
+    """x <- x - lr * (Q(m / b) + wd * x), m and b EMAs of g and |g|, Q(0) = 0 (single process, rank 0)."""
 
     def __init__(self, params, lr=1e-3, beta=0.95, weight_decay=0.0, *, quantize=True, amsgrad=False, seed=0):
         self.params = list(params)
@@ -45,6 +46,7 @@ class BirderReference:
                 r = random_int24(u.numel(), key).view(u.shape).to(torch.float64)
                 # P(q = +1) = (1 + u) / 2: q = +1 iff r < u * 2^23, r uniform on [-2^23, 2^23)
                 d = torch.where(r < u.to(torch.float64) * 2.0**23, 1.0, -1.0).to(x.dtype)
+                d = torch.where(u == 0, 0.0, d)  # u = 0: no move (unbiased too)
             else:
                 d = u
             x.copy_(x - self.lr * (d + self.wd * x))

@@ -488,9 +488,9 @@ def _check_supported_setup(args, b: BirderArguments, trainer=None) -> None:
     if sharded:
         raise ValueError(
             f"BirderTrainer does not train with the Trainer's own {' or '.join(sharded)}: their gradient reduction "
-            "bypasses the 1-bit hook. Drop --fsdp/--deepspeed (and the accelerate config's FSDP/DeepSpeed plugin); for "
-            "sharded training use BirderArguments(sharding='hsdp') (--sharding hsdp): FSDP2 inside each node, Birder's "
-            "1-bit all-reduce across nodes."
+            "bypasses the 1-bit hook. Drop --fsdp/--deepspeed (and the accelerate config's FSDP/DeepSpeed plugin); "
+            "for sharded training use BirderArguments(sharding='hsdp') (--sharding hsdp): FSDP2 inside each node, "
+            "Birder's 1-bit all-reduce across nodes."
         )
 
 
