@@ -313,3 +313,8 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    if torch.distributed.is_initialized():
+        # every group released before the interpreter ends: a rank that finalizes while the backend's threads still
+        # run dies with SIGABRT ("terminate called without an active exception"), failing a finished run
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

@@ -237,6 +237,7 @@ class HookState(Communicator):
             return
         self._close_step()
         self.detach()
+        self.agree_group = None  # the topology's world group (DDP): let close() release it
         self.topology.close()
 
     # ------------------------------------------------------------------------------------------ buckets
