@@ -158,7 +158,7 @@ def test_trainer_refusals_at_construction(tmp_path):
     BirderTrainer(model=TinyRegressor(), args=args(fp16=True))  # Birder trains with fp16 loss scaling
     with pytest.raises(ValueError, match="1-bit Adam cannot train with fp16.*--bf16"):
         BirderTrainer(model=TinyRegressor(), args=args(fp16=True), birder_args=BirderArguments(optimizer="onebitadam"))
-    with pytest.raises(ValueError, match="does not support FSDP yet.*issue 15"):  # refused in one process too
+    with pytest.raises(ValueError, match="Trainer's own FSDP.*sharding='hsdp'"):  # refused in one process too
         BirderTrainer(model=TinyRegressor(), args=args(fsdp=True))
     model = TinyRegressor()
     trainer = BirderTrainer(

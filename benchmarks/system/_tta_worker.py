@@ -7,9 +7,10 @@ Launched by ``benchmarks/system/tta.py`` with ``torchrun`` (on loopback, or in e
 
 The tasks are the recipes' embedded ones, built from the recipes' own code: ``qa`` (tiny BERT on the embedded
 SQuAD-format set, SQuAD F1: ``recipes/bert_base.py``), ``image`` (timm ResNet-18 on the embedded digits, top-1:
-``recipes/resnet50.py``) and ``lm`` (the causal-LM recipe's model and data, validation perplexity: ``recipes/
-causal_lm.py``, where it exists). Every method trains the same model from the same initial weights on the same
-batches, with the same learning-rate schedule (linear warm-up over 5% of the steps, then linear decay to 0):
+``recipes/resnet50.py``) and ``lm`` (the causal-LM recipe's tiny GPT-2 on the standard library's source,
+validation perplexity: ``recipes/causal_lm.py``). Every method trains the same model from the same initial
+weights on the same batches, with the same learning-rate schedule (linear warm-up over 5% of the steps, then
+linear decay to 0):
 
 - ``fp32``: DDP's fp32 all-reduce with the task's usual optimizer (AdamW; SGD with momentum for ``image``);
 - ``fp16``: torch's ``fp16_compress_hook``, same optimizer;
@@ -166,16 +167,39 @@ class ImageTask(Task):
 
 
 class LMTask(Task):
-    """The causal-LM recipe's task (``recipes/causal_lm.py``: ``build_lm_task``)."""
+    """The causal-LM recipe's task (``recipes/causal_lm.py``): its ``tiny`` GPT-2 on the standard library's source,
+    a byte-level BPE vocabulary of 4096 and blocks of 128 tokens (``recipes/stdlib_text.py``); validation perplexity
+    over 256 evenly spaced held-out blocks."""
 
     def __init__(self, args, rank, world, work: Path):
-        import causal_lm
+        from causal_lm import MODEL_CONFIGS
+        from stdlib_text import read_split, stdlib_corpus, token_blocks, train_bpe_tokenizer
+        from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
         self.name, self.args, self.rank, self.world = "lm", args, rank, world
+        folder = work / "lm_data"
+        if rank == 0 and not (folder / "blocks.pt").exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            corpus = stdlib_corpus(5)
+            tokenizer = train_bpe_tokenizer(read_split(corpus, "train"), 4096, out_dir=str(folder))
+            blocks = {s: token_blocks(tokenizer, read_split(corpus, s), 128) for s in ("train", "validation")}
+            torch.save(blocks, folder / ".blocks.pt")
+            os.replace(folder / ".blocks.pt", folder / "blocks.pt")
+        dist.barrier()
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(folder))
+        blocks = torch.load(folder / "blocks.pt", weights_only=True)
+        self.train_ids = blocks["train"]
+        val = blocks["validation"]
+        self.eval_ids = val[torch.linspace(0, len(val) - 1, min(256, len(val))).long()]
         torch.manual_seed(args.seed)
-        self.model, self.train_ids, self.eval_ids = causal_lm.build_lm_task(
-            work / "lm_data", rank=rank, barrier=dist.barrier
+        config = GPT2Config(
+            vocab_size=len(tokenizer),
+            n_positions=128,
+            bos_token_id=tokenizer.eos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            **MODEL_CONFIGS["tiny"],
         )
+        self.model = GPT2LMHeadModel(config)
 
     def batch(self, step):
         idx = _shard(len(self.train_ids), step, self.args.batch, self.rank, self.world, self.args.seed)

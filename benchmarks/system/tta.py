@@ -81,7 +81,8 @@ RATIO = {"qa": 0.695 / (128 / 1083.71), "lm": 0.695 / (128 / 1083.71), "image": 
 GRIDS = {
     "qa": {"adam": [1e-3, 2e-3, 4e-3], "birder": [2e-3, 4e-3, 8e-3]},
     "image": {"sgd": [0.05, 0.1, 0.2], "adam": [1e-3, 2e-3, 4e-3], "birder": [2e-3, 4e-3, 8e-3]},
-    "lm": {"adam": [1e-3, 2e-3, 4e-3], "birder": [1e-3, 2e-3, 4e-3]},
+    # Birder on this task: 5e-4 was the best of 2e-4 / 5e-4 / 2e-3 in the recipe's check (docs/results/hsdp_lr_check_*)
+    "lm": {"adam": [1e-3, 2e-3, 4e-3], "birder": [2.5e-4, 5e-4, 1e-3]},
 }
 STEPS = {"qa": 600, "image": 600, "lm": 600}
 EVAL_EVERY = {"qa": 50, "image": 50, "lm": 50}

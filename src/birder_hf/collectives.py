@@ -545,7 +545,7 @@ class _LiveCallbacks:
         with self.cond:
             self.refs.add(weakref.ref(cb, self._released))
             if not self.exit_wait_registered:
-                atexit.register(wait_for_callbacks, _EXIT_TIMEOUT_S)
+                atexit.register(_release_at_exit)
                 self.exit_wait_registered = True
 
     def _released(self, ref: weakref.ref) -> None:  # on the thread that released the callback, holding the GIL
@@ -567,6 +567,17 @@ def then(fut: torch.futures.Future, fn: Callable) -> torch.futures.Future:
     cb = _Callback(fn)
     _LIVE.add(cb)
     return fut.then(cb)
+
+
+def _release_at_exit() -> None:
+    # before the interpreter finalizes: wait for the callbacks, then destroy the process groups still alive, so that
+    # no backend thread outlives this point (a group left to the interpreter's teardown is destroyed while gloo's
+    # threads may still ask for the GIL: the same SIGABRT, seen with plain DDP under load too)
+    if wait_for_callbacks(_EXIT_TIMEOUT_S) and dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001  (exiting anyway: never turn a finished run into a failed one)
+            pass
 
 
 def wait_for_callbacks(timeout: float | None = None) -> bool:
