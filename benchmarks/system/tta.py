@@ -88,6 +88,11 @@ STEPS = {"qa": 600, "image": 600, "lm": 600}
 EVAL_EVERY = {"qa": 50, "image": 50, "lm": 50}
 
 
+# methods that take another method's tuned learning rate (same optimizer; the hook is a drop-in for DDP's
+# all-reduce), unless --tune-all: what a user switching on fp16 or PowerSGD does, and it halves the tuning runs
+SHARED_LR = {"fp16": "fp32", "powersgd-r1": "fp32", "powersgd-r4": "fp32", "birder-flat": "birder-h"}
+
+
 def grid(task: str, method: str) -> list[float]:
     if method.startswith("birder"):
         return GRIDS[task]["birder"]
@@ -161,7 +166,12 @@ def tune(args) -> dict:
     best = {}
     for task in args.tasks:
         higher = PRIMARY[task][1]
-        for method in args.methods:
+        for method in sorted(args.methods, key=lambda m: m in SHARED_LR):  # the methods others share first
+            if method in SHARED_LR and not args.tune_all and SHARED_LR[method] in best.get(task, {}):
+                source = SHARED_LR[method]
+                best[task][method] = {"lr": best[task][source]["lr"], "grid": f"shared with {source}"}
+                print(f"[tune] {task} {method}: {source}'s -> {best[task][method]['lr']:g}", flush=True)
+                continue
             scores = {}
             for lr in grid(task, method):
                 out = args.work / "tune" / f"{task}-{method}-lr{lr:g}.jsonl"
@@ -394,6 +404,7 @@ def main(argv=None) -> int:
     ap.add_argument("--work", type=Path, default=ROOT / "outputs" / "tta")
     ap.add_argument("--results", type=Path, default=ROOT / "docs" / "results")
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--tune-all", action="store_true", help="tune every method (default: SHARED_LR share)")
     args = ap.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
     phases = ["calibrate", "tune", "curves", "steptime", "validate", "report"] if args.phase == "all" else [args.phase]

@@ -185,6 +185,8 @@ class OneBitOptimizer(Optimizer):
     optional_settings: ClassVar[tuple[str, ...]] = ()
     # every key a parameter's state may hold
     state_keys: ClassVar[tuple[str, ...]] = ()
+    required_state: ClassVar[tuple[str, ...]] = ()  # keys every saved per-parameter state has
+    tensor_state: ClassVar[tuple[str, ...]] = ()  # keys holding a tensor shaped like the (local) parameter
 
     def __init__(self, params, defaults: dict):
         self.step_was_skipped = False  # whether the last step() skipped (a rank had a non-finite gradient)
@@ -417,8 +419,20 @@ class OneBitOptimizer(Optimizer):
             seen.add(id(p))
 
     def _state_problem(self, p: torch.Tensor, state: dict, group: dict) -> str | None:
-        """What is wrong with ``state``, one parameter's saved state (``group``: its saved settings), or ``None``."""
-        return None
+        """What is wrong with ``state``, one parameter's saved state (``group``: its saved settings), or ``None``.
+
+        Checks the keys (only :attr:`state_keys`, every one of :attr:`required_state`), the step count and the shape
+        of every :attr:`tensor_state` tensor; subclasses add their own invariants after calling this."""
+        unknown = sorted(set(state) - set(self.state_keys))
+        if unknown:
+            return f"has keys {unknown} that {type(self).__name__}'s state does not have"
+        missing = [k for k in self.required_state if k not in state]
+        if missing:
+            return f"lacks {missing}"
+        problem = step_problem(state["step"]) if "step" in state else None
+        shape = local_tensor(p).shape
+        tensors = [k for k in self.tensor_state if k in state]
+        return problem or next(filter(None, (tensor_problem(state, k, shape) for k in tensors)), None)
 
     def check_state_dict(self, state_dict) -> None:
         """Raise what :meth:`load_state_dict` would raise for ``state_dict``, changing nothing."""

@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from .base import Update, is_sharded, local_tensor, shard_offset, unwrap_optimizer
-from .collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, _check_method, onebit_all_reduce
+from .collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, _check_method
 from .communicators import StepAllReduce
 from .hook import BirderHookState
 from .onebit_adam import OneBitAdam
@@ -244,19 +244,7 @@ class FSDPHookState(BirderHookState):
                 self._stage(p, group, b)
         if self.check_finite:
             self._flag_nonfinite(u)  # u = m / b is NaN exactly where the gradient was not finite
-        self._futures.append(
-            onebit_all_reduce(
-                u,
-                topology=self.topology,
-                method=self.method,
-                inter_method=self.inter_method,
-                keys=opt.bit_keys(params, steps),
-                async_op=True,
-                chunk_numel=self.chunk_numel,
-                stats=self._step_stats,
-                out=u,
-            )
-        )
+        self._futures.append(self._all_reduce_async(u, opt.bit_keys(params, steps)))
 
     def finish_step(self) -> list[Update] | None:
         """Wait for the exchanges, agree the step is finite, commit ``m``, ``b`` and hand ``d`` to ``step()``."""

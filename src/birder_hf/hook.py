@@ -116,6 +116,20 @@ class BirderHookState(HookState):
             self._scratch[p] = bufs
         return bufs
 
+    def _all_reduce_async(self, u: torch.Tensor, keys) -> torch.futures.Future:
+        """Start the 1-bit all-reduce of ``u`` (flat, overwritten with ``d``) with this state's settings."""
+        return onebit_all_reduce(
+            u,
+            topology=self.topology,
+            method=self.method,
+            inter_method=self.inter_method,
+            keys=keys,
+            async_op=True,
+            chunk_numel=self.chunk_numel,
+            stats=self._step_stats,
+            out=u,
+        )
+
     def finish_step(self) -> list[Update] | None:
         """Agree the step is finite, commit the staged ``m``, ``b``, and hand ``d`` (in ``.grad``) to ``step()``."""
         pending = super().finish_step()
@@ -186,17 +200,7 @@ def _start_bucket(state: BirderHookState, opt: Birder, bucket, buffer: torch.Ten
         for p, b in zip(ps, bufs):
             state._stage(p, group, b)
 
-    fut = onebit_all_reduce(
-        u_flat,
-        topology=state.topology,
-        method=state.method,
-        inter_method=state.inter_method,
-        keys=opt.bit_keys(params, steps),
-        async_op=True,
-        chunk_numel=state.chunk_numel,
-        stats=state._step_stats,
-        out=u_flat,
-    )
+    fut = state._all_reduce_async(u_flat, opt.bit_keys(params, steps))
     if buffer.dtype != u_dtype or strided:
         fut = then(fut, lambda f: _to_bucket_layout(f.value().to(buffer.dtype), strided))
     return state._end_bucket(bucket, fut)

@@ -32,7 +32,6 @@ from .base import (
     is_integer,
     is_real_number,
     state_dtype,
-    step_problem,
     tensor_problem,
 )
 from .collectives import Job, Wire, fp32_allreduce_bytes, launch_in_order
@@ -116,6 +115,8 @@ class OneBitAdam(OneBitOptimizer):
         "scaling": choice(SCALINGS),
     }
     state_keys = ("step", "exp_avg", "exp_avg_sq", "worker_error", "server_error", "server_shard")
+    required_state = ("step", "exp_avg", "exp_avg_sq")
+    tensor_state = ("exp_avg", "exp_avg_sq", "worker_error")
 
     def __init__(
         self,
@@ -141,16 +142,7 @@ class OneBitAdam(OneBitOptimizer):
         super().__init__(params, defaults)  # validates every setting and parameter
 
     def _state_problem(self, p: torch.Tensor, state: dict, group: dict) -> str | None:
-        unknown = sorted(set(state) - set(self.state_keys))
-        if unknown:
-            return f"has keys {unknown} that OneBitAdam's state does not have"
-        missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in state]
-        if missing:
-            return f"lacks {missing}"
-        full = [k for k in ("exp_avg", "exp_avg_sq", "worker_error") if k in state]
-        problem = step_problem(state["step"]) or next(
-            filter(None, (tensor_problem(state, k, p.shape) for k in full)), None
-        )
+        problem = super()._state_problem(p, state, group)
         if problem is not None:
             return problem
         if not bool((state["exp_avg_sq"] >= 0).all()):

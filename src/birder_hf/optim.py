@@ -43,8 +43,6 @@ from .base import (
     shard_offset,
     shard_record,
     state_dtype,
-    step_problem,
-    tensor_problem,
 )
 from .quantize import STAGE_WORKER, BitKeys, quantize_bits
 
@@ -136,6 +134,8 @@ class Birder(OneBitOptimizer):
     }
     optional_settings = ("foreach", "maximize")
     state_keys = ("step", "exp_avg", "exp_avg_abs", "max_exp_avg_abs", "shard")
+    required_state = ("step", "exp_avg", "exp_avg_abs")
+    tensor_state = ("exp_avg", "exp_avg_abs", "max_exp_avg_abs")
 
     def __init__(
         self,
@@ -241,16 +241,7 @@ class Birder(OneBitOptimizer):
         return us
 
     def _state_problem(self, p: torch.Tensor, state: dict, group: dict) -> str | None:
-        unknown = sorted(set(state) - set(self.state_keys))
-        if unknown:
-            return f"has keys {unknown} that Birder's state does not have"
-        missing = [k for k in ("step", "exp_avg", "exp_avg_abs") if k not in state]
-        if missing:
-            return f"lacks {missing}"
-        tensors = [k for k in ("exp_avg", "exp_avg_abs", "max_exp_avg_abs") if k in state]
-        problem = step_problem(state["step"]) or next(
-            filter(None, (tensor_problem(state, k, local_tensor(p).shape) for k in tensors)), None
-        )
+        problem = super()._state_problem(p, state, group)
         if problem is not None:
             return problem
         m, b = state["exp_avg"], state["exp_avg_abs"]
