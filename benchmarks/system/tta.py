@@ -28,7 +28,9 @@ ResNet-50's).
     python benchmarks/system/tta.py curves --tasks qa --seeds 0
     python benchmarks/system/tta.py report       # table + plots from what is in --work
 
-Learning rates: tuned on seed 0 from a grid per method (``GRIDS``), best final metric; no method is tuned down.
+Learning rates: tuned on seed 0 from a grid per method (``GRIDS``), best final metric; a best value at an end of
+the grid extends the grid past it (halving or doubling, 6 values at most); methods in ``SHARED_LR`` take the tuned
+value of the method they are a drop-in for (``--tune-all`` tunes them too); no method is tuned down.
 Results: ``docs/results/tta.json``, ``tta_table.md``, ``tta.png`` (metric against seconds, one panel per task).
 Runs are resumable: a run whose JSON lines are complete is read, not run again. Namespace phases need root.
 """
@@ -172,12 +174,18 @@ def tune(args) -> dict:
                 best[task][method] = {"lr": best[task][source]["lr"], "grid": f"shared with {source}"}
                 print(f"[tune] {task} {method}: {source}'s -> {best[task][method]['lr']:g}", flush=True)
                 continue
-            scores = {}
-            for lr in grid(task, method):
+            scores, todo = {}, list(grid(task, method))
+            while todo:
+                lr = todo.pop(0)
                 out = args.work / "tune" / f"{task}-{method}-lr{lr:g}.jsonl"
                 out.parent.mkdir(parents=True, exist_ok=True)
                 run_local(task, method, lr, 0, args, out)
                 scores[lr] = final_metric(read(out), task)
+                if not todo:  # the best at an end of the grid: extend the grid past it (x2 or /2) until it is inside
+                    pick = (max if higher else min)(scores, key=scores.get)
+                    ends = min(scores), max(scores)
+                    if pick in ends and len(scores) < 6:
+                        todo.append(pick / 2 if pick == ends[0] else pick * 2)
             pick = (max if higher else min)(scores, key=scores.get)
             best.setdefault(task, {})[method] = {"lr": pick, "grid": scores}
             print(f"[tune] {task} {method}: {scores} -> {pick:g}", flush=True)
