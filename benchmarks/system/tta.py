@@ -256,9 +256,15 @@ def steptime(args) -> None:
             for method in args.methods:
                 out = args.work / "steptime" / f"{task}-{method}.jsonl"
                 out.parent.mkdir(parents=True, exist_ok=True)
+                if _complete(out):
+                    continue
                 # the warm-up share is set so that both phases get timed steps: half fp32, half compressed
+                _, tx0 = tb.link_bytes(0)
                 run_testbed(tb, task, method, lrs[task][method]["lr"], 0, args, out, steps=args.time_steps,
                             extra=["--no-eval", "--warmup-frac", "0.5"])  # fmt: skip
+                _, tx1 = tb.link_bytes(0)
+                with open(out, "a") as f:  # what node 0 sent over its link, all timed steps together
+                    f.write(json.dumps({"kind": "link", "node0_tx_bytes": tx1 - tx0, "steps": args.time_steps}) + "\n")
 
 
 def validate(args) -> None:
@@ -285,6 +291,21 @@ def _phase_times(task: str, method: str, args) -> tuple[float, float]:
         return statistics.median(s[2:half]), statistics.median(s[half + 2 :])
     t = statistics.median(s[2:])
     return t, t
+
+
+def _link_mb(task: str, method: str, args) -> float | None:
+    """MB node 0 sent over its link per compressed step in the steptime run (for the methods with an fp32 warm-up,
+    half of whose timed steps were fp32: their mean minus fp32's share)."""
+
+    def per_step(m):
+        rec = [r for r in read(args.work / "steptime" / f"{task}-{m}.jsonl") if r.get("kind") == "link"]
+        return rec[-1]["node0_tx_bytes"] / rec[-1]["steps"] / 1e6 if rec else None
+
+    mean = per_step(method)
+    if mean is None or not (method.startswith("powersgd") or method == "onebitadam"):
+        return mean
+    fp32 = per_step("fp32")
+    return None if fp32 is None else 2 * mean - fp32
 
 
 def composed_clock(task, method, steps: int, warmup_frac: float, args) -> list[float]:
@@ -319,7 +340,8 @@ def report(args) -> dict:
             std = [statistics.pstdev(v[i] for v in values) if len(values) > 1 else 0.0 for i in range(len(points))]
             per_method[method] = {"steps": points, "seconds": [clock[p] for p in points], "mean": mean, "std": std,
                                   "final": [v[-1] for v in values], "seeds": len(runs), "lr": lrs[task][method]["lr"],
-                                  "s_per_step": _phase_times(task, method, args)}  # fmt: skip
+                                  "s_per_step": _phase_times(task, method, args),
+                                  "link_mb_per_step": _link_mb(task, method, args)}  # fmt: skip
         ref = per_method.get("fp32")
         target = None
         if ref:
@@ -358,15 +380,18 @@ def table(result: dict) -> str:
         lines.append(f"**{task}** ({t['label']}; target = 95% of DDP fp32's final: {t['target']:.2f}; "
                      f"budget {t['budget_s']:.0f} s)\n")  # fmt: skip
         lines.append(
-            "| method | lr | s/step (fp32 phase, compressed) | time to target (s) | at budget | final (mean ± std) |"
+            "| method | lr | s/step on the link (fp32 phase, compressed) | MB/step over the link (compressed) "
+            "| time to target (s) | at budget | final (mean ± std) |"
         )
-        lines.append("|---|---:|---:|---:|---:|---:|")
+        lines.append("|---|---:|---:|---:|---:|---:|---:|")
         for method, m in t["methods"].items():
             tt = "not reached" if m["time_to_target_s"] is None else f"{m['time_to_target_s']:.0f}"
             fin = m["final"]
             spread = statistics.pstdev(fin) if len(fin) > 1 else 0.0
-            lines.append(f"| {LABELS[method]} | {m['lr']:g} | {m['s_per_step'][0]:.2f}, {m['s_per_step'][1]:.2f} | "
-                         f"{tt} | {m['at_budget']:.2f} | {statistics.mean(fin):.2f} ± {spread:.2f} |")  # fmt: skip
+            mb = "–" if m.get("link_mb_per_step") is None else f"{m['link_mb_per_step']:.3f}"
+            s_fp32, s_comp = m["s_per_step"]
+            lines.append(f"| {LABELS[method]} | {m['lr']:g} | {s_fp32:.3f}, {s_comp:.3f} | {mb} | {tt} | "
+                         f"{m['at_budget']:.2f} | {statistics.mean(fin):.2f} ± {spread:.2f} |")  # fmt: skip
         lines.append("")
     return "\n".join(lines)
 
