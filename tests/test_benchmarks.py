@@ -174,3 +174,52 @@ def test_memory_model_is_the_stored_table():
     n = 7 * 10**9
     assert big["hsdp-birder"]["total_bytes"] == 28 * n // 8 and big["hsdp-adamw"]["total_bytes"] == 16 * n // 8
     assert big["ddp-birder"]["total_bytes"] == 24 * n
+
+
+# ------------------------------------------------------------------------------------------------ time to accuracy
+def _tta_files(work: Path, task: str, method: str, evals, step_s, link_bytes):
+    common = {"task": task, "method": method, "steps": len(step_s), "seed": 0}
+    curve = work / "curves" / f"{task}-{method}-seed0.jsonl"
+    timed = work / "steptime" / f"{task}-{method}.jsonl"
+    for path in (curve, timed):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [{**common, "kind": "eval", "step": s, "train_s": 0.0, "perplexity": v} for s, v in evals]
+    lines.append({**common, "kind": "done", "step_s": step_s})
+    curve.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    link = {"kind": "link", "node0_tx_bytes": link_bytes, "steps": len(step_s)}
+    timed.write_text(json.dumps({**common, "kind": "done", "step_s": step_s}) + "\n" + json.dumps(link) + "\n")
+
+
+def test_tta_report_composes_the_clock_and_finds_the_time_to_target(tmp_path):
+    tta = _load("tta")
+    work = tmp_path / "work"
+    lrs = {"lm": {"fp32": {"lr": 1e-3}, "birder-h": {"lr": 5e-4}, "powersgd-r4": {"lr": 1e-3}}}
+    (work / "tuned.json").parent.mkdir(parents=True)
+    (work / "tuned.json").write_text(json.dumps(lrs))
+    (work / "rates.json").write_text(json.dumps({"lm": {"rate_mbit": 40.0}}))
+    evals = {  # perplexity after steps 0, 10, 20 (lower is better); fp32 ends at 100: the target is 100 / 0.95
+        "fp32": [(0, 1000.0), (10, 200.0), (20, 100.0)],
+        "birder-h": [(0, 1000.0), (10, 104.0), (20, 101.0)],
+        "powersgd-r4": [(0, 1000.0), (10, 300.0), (20, 150.0)],
+    }
+    _tta_files(work, "lm", "fp32", evals["fp32"], [1.0] * 20, 20e6)
+    _tta_files(work, "lm", "birder-h", evals["birder-h"], [0.25] * 20, 1e6)
+    # 10 timed steps at 1 s (its fp32 warm-up half), then 10 at 0.5 s; 20 MB in all: 1 MB per fp32 step, 1 MB more
+    _tta_files(work, "lm", "powersgd-r4", evals["powersgd-r4"], [1.0] * 10 + [0.5] * 10, 15e6)
+    argv = ["report", "--tasks", "lm", "--methods", "fp32", "birder-h", "powersgd-r4", "--seeds", "0"]
+    argv += ["--validate", "--work", str(work), "--results", str(tmp_path / "results")]
+    assert tta.main(argv) == 0
+    result = json.loads((tmp_path / "results" / "tta.json").read_text())["tasks"]["lm"]
+    m = result["methods"]
+    assert result["target"] == pytest.approx(100 / 0.95)
+    # Birder: 0.25 s a step, below the target at step 10 -> 2.5 s; fp32 reaches it at step 20 -> 20 s
+    assert m["birder-h"]["seconds"] == [0.0, 2.5, 5.0] and m["birder-h"]["time_to_target_s"] == 2.5
+    assert m["fp32"]["time_to_target_s"] == 20.0 and m["powersgd-r4"]["time_to_target_s"] is None
+    # PowerSGD: its warm-up (10% of 20 steps = 2) at the fp32-phase step time, then compressed steps
+    assert m["powersgd-r4"]["seconds"][1] == pytest.approx(2 * 1.0 + 8 * 0.5)
+    assert m["powersgd-r4"]["link_mb_per_step"] == pytest.approx(2 * 0.75 - 1.0)
+    # the budget is the fastest method's whole run (5 s): what each had reached by then
+    assert result["budget_s"] == 5.0
+    assert m["fp32"]["at_budget"] == 1000.0 and m["birder-h"]["at_budget"] == 101.0
+    assert "| Birder hierarchical | 0.0005 |" in (tmp_path / "results" / "tta_table.md").read_text()
+    assert (tmp_path / "results" / "tta.png").stat().st_size > 10_000
