@@ -77,6 +77,7 @@ PRIMARY = {
     "image": ("top1", True, "top-1 (%)"),
     "lm": ("perplexity", False, "val. ppl"),
 }
+TITLES = {"qa": "QA (tiny BERT)", "image": "image (ResNet-18)", "lm": "causal LM (tiny GPT-2), 2 nodes x 2"}
 # comm/compute ratio of an fp32 step on 2 x 8 A100 over 10 GbE at 128 samples per GPU (module docstring)
 RATIO = {"qa": 0.695 / (128 / 1083.71), "lm": 0.695 / (128 / 1083.71), "image": 0.163 / (128 / 938.0)}
 # learning-rate grids (seed 0); the base optimizer of fp32/fp16/PowerSGD is AdamW (qa, lm) or SGDM (image)
@@ -319,6 +320,24 @@ def composed_clock(task, method, steps: int, warmup_frac: float, args) -> list[f
     return clock
 
 
+def _loopback_step_s(records: list[dict]) -> float:
+    """Median seconds per step of a quality run on loopback (no slow link) after its first 10% (warm-ups): the
+    method's compute and codec cost without the link's."""
+    s = [r for r in records if r.get("kind") == "done"][-1]["step_s"]
+    return statistics.median(s[len(s) // 10 :])
+
+
+def _first_reached(seconds, curve, target, higher) -> float | None:
+    """The first time (s) at which ``curve`` reaches ``target``, or None."""
+    hits = [t for t, v in zip(seconds, curve) if target is not None and (v >= target if higher else v <= target)]
+    return hits[0] if hits else None
+
+
+def _at(seconds, curve, budget) -> float:
+    """The value of ``curve`` at the last evaluation within ``budget`` seconds."""
+    return [v for t, v in zip(seconds, curve) if t <= budget][-1]
+
+
 def report(args) -> dict:
     lrs = tuned(args)
     result = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"},
@@ -336,24 +355,26 @@ def report(args) -> dict:
             evals = [[e for e in r if e.get("kind") == "eval"] for r in runs]
             points = [e["step"] for e in evals[0]]
             values = [[e[key] for e in ev] for ev in evals]
-            mean = [statistics.mean(v[i] for v in values) for i in range(len(points))]
-            std = [statistics.pstdev(v[i] for v in values) if len(values) > 1 else 0.0 for i in range(len(points))]
-            per_method[method] = {"steps": points, "seconds": [clock[p] for p in points], "mean": mean, "std": std,
-                                  "final": [v[-1] for v in values], "seeds": len(runs), "lr": lrs[task][method]["lr"],
-                                  "s_per_step": _phase_times(task, method, args),
-                                  "link_mb_per_step": _link_mb(task, method, args)}  # fmt: skip
+            # median and range over the seeds: a seed that stalls or diverges (the 1-bit methods here) would make a
+            # mean and standard deviation describe no run at all
+            median = [statistics.median(v[i] for v in values) for i in range(len(points))]
+            per_method[method] = {"steps": points, "seconds": [clock[p] for p in points], "median": median,
+                                  "min": [min(v[i] for v in values) for i in range(len(points))],
+                                  "max": [max(v[i] for v in values) for i in range(len(points))],
+                                  "per_seed": values, "final": [v[-1] for v in values], "seeds": len(runs),
+                                  "lr": lrs[task][method]["lr"], "s_per_step": _phase_times(task, method, args),
+                                  "link_mb_per_step": _link_mb(task, method, args),
+                                  "loopback_s_per_step": [_loopback_step_s(r) for r in runs]}  # fmt: skip
         ref = per_method.get("fp32")
         target = None
         if ref:
-            final = statistics.mean(ref["final"])
+            final = statistics.median(ref["final"])
             target = 0.95 * final if higher else final / 0.95
         budget = min(m["seconds"][-1] for m in per_method.values()) if per_method else None
         for m in per_method.values():
-            reached = [t for t, v in zip(m["seconds"], m["mean"]) if target is not None and
-                       (v >= target if higher else v <= target)]  # fmt: skip
-            m["time_to_target_s"] = reached[0] if reached else None
-            at = [v for t, v in zip(m["seconds"], m["mean"]) if t <= budget]
-            m["at_budget"] = at[-1] if at else None
+            m["time_to_target_s"] = _first_reached(m["seconds"], m["median"], target, higher)
+            m["time_to_target_per_seed_s"] = [_first_reached(m["seconds"], v, target, higher) for v in m["per_seed"]]
+            m["at_budget"] = statistics.median(_at(m["seconds"], v, budget) for v in m["per_seed"])
         result["tasks"][task] = {"metric": key, "label": label, "target": target, "budget_s": budget,
                                  "methods": per_method}  # fmt: skip
         for method in args.validate:
@@ -374,24 +395,31 @@ def report(args) -> dict:
     return result
 
 
+def _num(x: float) -> str:
+    return f"{x:.1f}" if abs(x) < 1e5 else f"{x:.2g}"
+
+
 def table(result: dict) -> str:
     lines = []
     for task, t in result["tasks"].items():
-        lines.append(f"**{task}** ({t['label']}; target = 95% of DDP fp32's final: {t['target']:.2f}; "
+        lines.append(f"**{task}** ({t['label']}; target = 95% of DDP fp32's median final: {t['target']:.2f}; "
                      f"budget {t['budget_s']:.0f} s)\n")  # fmt: skip
         lines.append(
             "| method | lr | s/step on the link (fp32 phase, compressed) | MB/step over the link (compressed) "
-            "| time to target (s) | at budget | final (mean ± std) |"
+            "| time to target, median curve (s) | seeds reaching the target: time (s) | at budget (median) "
+            "| final, median [min, max] |"
         )
-        lines.append("|---|---:|---:|---:|---:|---:|---:|")
+        lines.append("|---|---:|---:|---:|---:|---|---:|---:|")
         for method, m in t["methods"].items():
             tt = "not reached" if m["time_to_target_s"] is None else f"{m['time_to_target_s']:.0f}"
-            fin = m["final"]
-            spread = statistics.pstdev(fin) if len(fin) > 1 else 0.0
+            hits = [f"{x:.0f}" for x in m["time_to_target_per_seed_s"] if x is not None]
+            seeds = f"{len(hits)} of {m['seeds']}" + (f": {', '.join(hits)}" if hits else "")
             mb = "–" if m.get("link_mb_per_step") is None else f"{m['link_mb_per_step']:.3f}"
             s_fp32, s_comp = m["s_per_step"]
-            lines.append(f"| {LABELS[method]} | {m['lr']:g} | {s_fp32:.3f}, {s_comp:.3f} | {mb} | {tt} | "
-                         f"{m['at_budget']:.2f} | {statistics.mean(fin):.2f} ± {spread:.2f} |")  # fmt: skip
+            fin = m["final"]
+            lines.append(f"| {LABELS[method]} | {m['lr']:g} | {s_fp32:.3f}, {s_comp:.3f} | {mb} | {tt} | {seeds} | "
+                         f"{_num(m['at_budget'])} | {_num(statistics.median(fin))} [{_num(min(fin))}, "
+                         f"{_num(max(fin))}] |")  # fmt: skip
         lines.append("")
     return "\n".join(lines)
 
@@ -407,15 +435,19 @@ def plot(result: dict, path: Path) -> None:
     for ax, task in zip(axes[0], tasks):
         t = result["tasks"][task]
         for method, m in t["methods"].items():
-            lo = [a - b for a, b in zip(m["mean"], m["std"])]
-            hi = [a + b for a, b in zip(m["mean"], m["std"])]
-            ax.plot(m["seconds"], m["mean"], label=LABELS[method], color=COLORS[method])
-            ax.fill_between(m["seconds"], lo, hi, color=COLORS[method], alpha=0.15)
+            ax.plot(m["seconds"], m["median"], label=LABELS[method], color=COLORS[method])
+            ax.fill_between(m["seconds"], m["min"], m["max"], color=COLORS[method], alpha=0.12)
         if t["target"] is not None:
             ax.axhline(t["target"], color="grey", ls="--", lw=0.8, label="95% of fp32's final")
-        ax.set(title=task, xlabel="training seconds on the emulated link (evaluation excluded)", ylabel=t["label"])
+        xlabel = "training seconds on the emulated link (evaluation excluded)"
+        ax.set(title=TITLES[task], xlabel=xlabel, ylabel=t["label"])
         if not PRIMARY[task][1]:
             ax.set_yscale("log")
+            # a seed that diverged (shown by its band) must not squash the curves that did not
+            lows = [min(m["min"]) for m in t["methods"].values()]
+            highs = [m["median"][1] for m in t["methods"].values() if len(m["median"]) > 1]
+            if highs:
+                ax.set_ylim(0.8 * min(lows), 2.0 * max(highs))
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
