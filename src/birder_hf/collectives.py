@@ -523,8 +523,8 @@ def _default_topology() -> Topology:
 # soon as the callback has produced its value, before that release: a process that then exits can start finalizing
 # the interpreter first, and a backend thread that asks for the GIL during finalization is ended through a noexcept
 # destructor ("terminate called without an active exception": SIGABRT after a finished run). So every callback is
-# counted until torch has released it, and the process waits for the count to reach 0 before it finalizes (atexit)
-# and before a topology's groups are destroyed (Topology.close).
+# counted until torch has released it, and the process waits for the count to reach 0 before it finalizes (atexit,
+# which then destroys the process groups still alive) and before a topology's groups are destroyed (Topology.close).
 class _Callback:
     __slots__ = ("fn", "__weakref__")
 
