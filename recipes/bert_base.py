@@ -49,6 +49,7 @@ from qa_utils import (  # noqa: E402
     squad_metrics,
 )
 
+from birder_hf.collectives import release_process_groups
 from birder_hf.integrations.accelerate import check_really_distributed  # noqa: E402
 from birder_hf.integrations.transformers import BirderArguments, BirderTrainer  # noqa: E402
 
@@ -309,8 +310,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
-    if torch.distributed.is_initialized():
-        # every group released before the interpreter ends: a rank that finalizes while the backend's threads still
-        # run dies with SIGABRT ("terminate called without an active exception"), failing a finished run
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    release_process_groups()  # every rank's groups released before the interpreter ends (a clean exit status)

@@ -49,6 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from stdlib_text import read_split, stdlib_corpus, token_blocks, train_bpe_tokenizer  # noqa: E402
 
 from birder_hf.base import local_tensor, unwrap_optimizer  # noqa: E402
+from birder_hf.collectives import release_process_groups
 from birder_hf.integrations.accelerate import check_really_distributed  # noqa: E402
 from birder_hf.integrations.transformers import BirderArguments, BirderTrainer, HSDPTrainer  # noqa: E402
 
@@ -312,8 +313,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
-    if torch.distributed.is_initialized():
-        # every group released before the interpreter ends: a rank that finalizes while the backend's threads still
-        # run dies with SIGABRT ("terminate called without an active exception"), failing a finished run
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    release_process_groups()  # every rank's groups released before the interpreter ends (a clean exit status)

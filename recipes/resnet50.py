@@ -39,7 +39,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from embedded_data import write_digits_image_folder  # noqa: E402
 
 from birder_hf import Birder, OneBitAdam, Topology  # noqa: E402
-from birder_hf.collectives import check_settings  # noqa: E402
+from birder_hf.collectives import (
+    check_settings,  # noqa: E402
+    release_process_groups,
+)
 from birder_hf.integrations.accelerate import check_really_distributed, register_birder_hook  # noqa: E402
 from birder_hf.model_card import model_card_section  # noqa: E402
 
@@ -313,8 +316,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
-    if torch.distributed.is_initialized():
-        # every group released before the interpreter ends: a rank that finalizes while the backend's threads still
-        # run dies with SIGABRT ("terminate called without an active exception"), failing a finished run
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    release_process_groups()  # every rank's groups released before the interpreter ends (a clean exit status)

@@ -246,40 +246,41 @@ def calibrate(args) -> dict:
     return rates
 
 
-def steptime(args) -> None:
-    """Each method's seconds per step on the shaped link (and the fp32 warm-up phase of PowerSGD / 1-bit Adam)."""
+def _on_link(args, phase: str, methods, **kw) -> list[tuple]:
+    """Run ``methods`` of every task on the shaped link (one testbed per task, at the task's calibrated rate) into
+    ``<work>/<phase>/<task>-<method>.jsonl``; returns (task, method, path, node 0's link bytes sent) for the runs
+    made now (``None`` bytes for the runs already complete)."""
     import testbed
 
     rates = json.loads((args.work / "rates.json").read_text())
-    lrs = tuned(args)
+    lrs, made = tuned(args), []
     for task in args.tasks:
         with testbed.Testbed("ethernet", nodes=2, rate_mbit=rates[task]["rate_mbit"]) as tb:
-            for method in args.methods:
-                out = args.work / "steptime" / f"{task}-{method}.jsonl"
+            for method in methods:
+                out = args.work / phase / f"{task}-{method}.jsonl"
                 out.parent.mkdir(parents=True, exist_ok=True)
                 if _complete(out):
+                    made.append((task, method, out, None))
                     continue
-                # the warm-up share is set so that both phases get timed steps: half fp32, half compressed
                 _, tx0 = tb.link_bytes(0)
-                run_testbed(tb, task, method, lrs[task][method]["lr"], 0, args, out, steps=args.time_steps,
-                            extra=["--no-eval", "--warmup-frac", "0.5"])  # fmt: skip
-                _, tx1 = tb.link_bytes(0)
-                with open(out, "a") as f:  # what node 0 sent over its link, all timed steps together
-                    f.write(json.dumps({"kind": "link", "node0_tx_bytes": tx1 - tx0, "steps": args.time_steps}) + "\n")
+                run_testbed(tb, task, method, lrs[task][method]["lr"], 0, args, out, **kw)
+                made.append((task, method, out, tb.link_bytes(0)[1] - tx0))
+    return made
+
+
+def steptime(args) -> None:
+    """Each method's seconds per step on the shaped link (and the fp32 warm-up phase of PowerSGD / 1-bit Adam)."""
+    # the warm-up share is set so that both phases get timed steps: half fp32, half compressed
+    runs = _on_link(args, "steptime", args.methods, steps=args.time_steps, extra=["--no-eval", "--warmup-frac", "0.5"])
+    for _, _, out, sent in runs:
+        if sent is not None:
+            with open(out, "a") as f:  # what node 0 sent over its link, all timed steps together
+                f.write(json.dumps({"kind": "link", "node0_tx_bytes": sent, "steps": args.time_steps}) + "\n")
 
 
 def validate(args) -> None:
     """Whole runs on the link (seed 0) for the methods in --validate, to check the composed clock."""
-    import testbed
-
-    rates = json.loads((args.work / "rates.json").read_text())
-    lrs = tuned(args)
-    for task in args.tasks:
-        with testbed.Testbed("ethernet", nodes=2, rate_mbit=rates[task]["rate_mbit"]) as tb:
-            for method in args.validate:
-                out = args.work / "validate" / f"{task}-{method}.jsonl"
-                out.parent.mkdir(parents=True, exist_ok=True)
-                run_testbed(tb, task, method, lrs[task][method]["lr"], 0, args, out)
+    _on_link(args, "validate", args.validate)
 
 
 # -------------------------------------------------------------------------------------------------------- report

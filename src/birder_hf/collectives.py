@@ -79,6 +79,7 @@ __all__ = [
     "expected_bytes",
     "fp32_allreduce_bytes",
     "wait_for_callbacks",
+    "release_process_groups",
     "METHODS",
     "INTER_METHODS",
 ]
@@ -569,15 +570,23 @@ def then(fut: torch.futures.Future, fn: Callable) -> torch.futures.Future:
     return fut.then(cb)
 
 
+def release_process_groups(*, barrier: bool = True, timeout: float | None = _EXIT_TIMEOUT_S) -> None:
+    """End a training script: wait for the 1-bit all-reduce's callbacks, meet the other ranks (``barrier``), then
+    destroy every process group. A group left to the interpreter's teardown is destroyed while gloo's threads may still
+    ask for the GIL: SIGABRT ("terminate called without an active exception") after a finished run, seen with plain
+    DDP under load too. The recipes call this after training; an atexit handler calls it without the barrier."""
+    if not wait_for_callbacks(timeout) or not dist.is_available() or not dist.is_initialized():
+        return
+    if barrier:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
 def _release_at_exit() -> None:
-    # before the interpreter finalizes: wait for the callbacks, then destroy the process groups still alive, so that
-    # no backend thread outlives this point (a group left to the interpreter's teardown is destroyed while gloo's
-    # threads may still ask for the GIL: the same SIGABRT, seen with plain DDP under load too)
-    if wait_for_callbacks(_EXIT_TIMEOUT_S) and dist.is_available() and dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001  (exiting anyway: never turn a finished run into a failed one)
-            pass
+    try:
+        release_process_groups(barrier=False)  # at exit a peer may be gone: no barrier
+    except Exception:  # noqa: BLE001  (exiting anyway: never turn a finished run into a failed one)
+        pass
 
 
 def wait_for_callbacks(timeout: float | None = None) -> bool:
