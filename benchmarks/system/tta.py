@@ -154,6 +154,15 @@ def run_testbed(tb, task, method, lr, seed, args, out: Path, **kw) -> None:
         raise RuntimeError(f"{out.name} failed on the testbed:\n" + "\n".join(r.log[-3000:] for r in runs))
 
 
+def _merge(path: Path, per_task: dict) -> None:
+    """Write ``per_task`` into the JSON file at ``path``, keeping the tasks that this run did not touch (the tasks
+    are calibrated and tuned one invocation at a time)."""
+    old = json.loads(path.read_text()) if path.exists() else {}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({**old, **per_task}, indent=1))
+    os.replace(tmp, path)
+
+
 def read(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
@@ -190,7 +199,7 @@ def tune(args) -> dict:
             pick = (max if higher else min)(scores, key=scores.get)
             best.setdefault(task, {})[method] = {"lr": pick, "grid": scores}
             print(f"[tune] {task} {method}: {scores} -> {pick:g}", flush=True)
-    (args.work / "tuned.json").write_text(json.dumps(best, indent=1))
+    _merge(args.work / "tuned.json", best)
     return best
 
 
@@ -242,7 +251,7 @@ def calibrate(args) -> dict:
             print(
                 f"[calibrate] {task}: {compute_s:.3f} s/step compute, {nbytes / 1e6:.2f} MB fp32 -> {rate:.1f} Mbit/s"
             )
-    (args.work / "rates.json").write_text(json.dumps(rates, indent=1))
+    _merge(args.work / "rates.json", rates)
     return rates
 
 
@@ -339,9 +348,17 @@ def _at(seconds, curve, budget) -> float:
     return [v for t, v in zip(seconds, curve) if t <= budget][-1]
 
 
+def _rel(path: Path) -> str:
+    """``path`` relative to the repository where it is inside it (results carry no machine paths)."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def report(args) -> dict:
     lrs = tuned(args)
-    result = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"},
+    # steps and batch are per task (read from the runs' records below), not this invocation's
+    config = {k: (_rel(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("steps", "batch")}
+    result = {"config": config,
               "rates": json.loads((args.work / "rates.json").read_text()), "tuned": lrs, "tasks": {}}  # fmt: skip
     for task in args.tasks:
         key, higher, label = PRIMARY[task]
@@ -376,7 +393,11 @@ def report(args) -> dict:
             m["time_to_target_s"] = _first_reached(m["seconds"], m["median"], target, higher)
             m["time_to_target_per_seed_s"] = [_first_reached(m["seconds"], v, target, higher) for v in m["per_seed"]]
             m["at_budget"] = statistics.median(_at(m["seconds"], v, budget) for v in m["per_seed"])
+        first = next(iter(per_method.values()), None)
+        runs0 = read(args.work / "curves" / f"{task}-{next(iter(per_method), '')}-seed{args.seeds[0]}.jsonl")
         result["tasks"][task] = {"metric": key, "label": label, "target": target, "budget_s": budget,
+                                 "steps": first["steps"][-1] if first else None,
+                                 "batch_per_proc": runs0[0].get("batch_per_proc") if runs0 else None,
                                  "methods": per_method}  # fmt: skip
         for method in args.validate:
             path = args.work / "validate" / f"{task}-{method}.jsonl"
@@ -403,8 +424,8 @@ def _num(x: float) -> str:
 def table(result: dict) -> str:
     lines = []
     for task, t in result["tasks"].items():
-        lines.append(f"**{task}** ({t['label']}; target = 95% of DDP fp32's median final: {t['target']:.2f}; "
-                     f"budget {t['budget_s']:.0f} s)\n")  # fmt: skip
+        lines.append(f"**{task}** ({t['label']}; {t['steps']} steps of {t['batch_per_proc']} per rank; target = 95% "
+                     f"of DDP fp32's median final: {t['target']:.2f}; budget {t['budget_s']:.0f} s)\n")  # fmt: skip
         lines.append(
             "| method | lr | s/step on the link (fp32 phase, compressed) | MB/step over the link (compressed) "
             "| time to target, median curve (s) | seeds reaching the target: time (s) | at budget (median) "
