@@ -1,6 +1,7 @@
 """Codec benchmark: 1-bit quantize + pack (and the decode kernels) against a plain copy, one thread.
 
     python benchmarks/codec.py --numel 25000000 --repeats 7 --out docs/results/codec.json
+    python benchmarks/codec.py --small --out docs/results/codec_small.json   # per call, compiled vs eager
 
 Each kernel is timed side by side with ``copy_`` of the same fp32 tensor in the same run (the machine is
 shared and noisy, so only the ratios are meaningful); the median over repeats is reported.
@@ -65,14 +66,52 @@ def run(numel: int, repeats: int, threads: int, compile_codec: bool = True) -> d
     }
 
 
+SMALL_SIZES = (16, 128, 1024, 8192, 65536, 262144)
+
+
+def small(repeats: int, threads: int, calls: int = 200) -> dict:
+    """Microseconds per call of the kernels a bucket runs once per parameter, compiled against eager, at the sizes of
+    a model's biases, norms and small matrices: where the compiled kernels take over (``_MIN_COMPILED_NUMEL``)."""
+    torch.set_num_threads(threads)
+    key = Q.derive_key(0, 1)
+    rows_of = {n: torch.randint(0, 256, (2, n // 8), dtype=torch.uint8) for n in SMALL_SIZES}  # 2 votes (a node pair)
+    out = {"threads": threads, "torch": torch.__version__, "calls": calls, "us_per_call": {}}
+    for n in SMALL_SIZES:
+        u, rows = torch.rand(n) * 2 - 1, rows_of[n]
+        params, params_m = Q._key_params(key, 0, None), Q._key_params(key, 0, None, 2)
+        dst = torch.empty(n)
+        kernels = {
+            "quantize_pack": ("quantize_pack", (u, params, False)),
+            "requantize_pack": ("requantize_pack", (rows, params_m, False)),
+            "votes_mean": ("votes_mean", (rows, Q._int32_words([2], None), dst)),
+        }
+        row = {}
+        for name, (kernel, args) in kernels.items():
+            for mode, fn in (("eager", Q._Codec._EAGER[kernel]), ("compiled", Q._codec.get(kernel))):
+                sec = median_seconds(lambda fn=fn, args=args: [fn(*args) for _ in range(calls)], repeats)
+                row[f"{name} {mode}"] = round(sec / calls * 1e6, 1)
+        out["us_per_call"][str(n)] = row
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--numel", type=int, default=25_000_000)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--eager", action="store_true", help="time the eager kernels instead of the compiled ones")
+    ap.add_argument("--small", action="store_true", help="per-call times at small sizes, compiled and eager")
     ap.add_argument("--out", default="docs/results/codec.json")
     args = ap.parse_args(argv)
+    if args.small:
+        Q.set_codec_compile(True)
+        res = small(args.repeats, args.threads)
+        for n, row in res["us_per_call"].items():
+            print(f"{n:>8} " + "  ".join(f"{k} {v:.1f} us" for k, v in row.items()))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=2)
+        return res
     res = run(args.numel, args.repeats, args.threads, compile_codec=not args.eager)
     print(f"{'kernel':<24}{'ms':>10}{'x copy':>10}")
     for k in res["ms"]:

@@ -5,10 +5,10 @@ with an integer threshold, so that every device gives the same bits. The decode 
 mean ``(2c - m) / m`` is one division rounded once. Reference: the CPU's eager kernels (which the CPU suite checks
 against its compiled ones and against Python integer arithmetic).
 
-Sizes: not divisible by 8 (tails), above ``2^16`` (where the compiled kernels take over) and above ``2^24``. Vote
-counts ``m`` of 3 and 5 make the division inexact; ``m`` of 1, 2 and 4 are exact in any rounding. The division itself
-(``_vote_mean``, compiled as the kernels compile it) is checked for every count of ``m <= 64`` votes: Triton's float32
-division is approximate (2 ulp), so off the CPU the kernels divide in float64 and round once.
+Sizes: not divisible by 8 (tails), above ``2^16`` and above ``2^24`` (compiled kernels run from 16 elements up).
+Vote counts ``m`` of 3 and 5 make the division inexact; ``m`` of 1, 2 and 4 are exact in any rounding. The division
+itself (``_vote_mean``, compiled as the kernels compile it) is checked for every count of ``m <= 64`` votes: Triton's
+float32 division is approximate (2 ulp), so off the CPU the kernels divide in float64 and round once.
 """
 
 import warnings
@@ -35,6 +35,7 @@ def _segments(n):
 
 def codec_results(device, n: int, compiled: bool) -> dict:
     """Every codec kernel on ``device`` for the same inputs (made on the CPU), moved back to the CPU."""
+    before = Q._codec.enabled
     Q.set_codec_compile(compiled)
     try:
         g = torch.Generator().manual_seed(n)
@@ -73,7 +74,7 @@ def codec_results(device, n: int, compiled: bool) -> dict:
             torch.cuda.synchronize()
         return {k: v.cpu() for k, v in out.items()}
     finally:
-        Q.set_codec_compile(True)
+        Q.set_codec_compile(before)
 
 
 _REFERENCE: dict[int, dict] = {}

@@ -6,7 +6,7 @@ CUDA code path of the collectives: the codec and decode kernels, CUDA-aware Futu
 callbacks on the backend's threads and streams. With 2+ GPUs the same runs on NCCL (``multi_gpu``).
 
 World sizes 3 and 4: with 3 ranks (or 3 simulated nodes) vote means divide by 3, which only exact division gets
-right bit for bit. The largest case is above ``2^16`` elements, where the compiled kernels take over.
+right bit for bit. The largest case is above ``2^16`` elements.
 """
 
 import pytest

@@ -37,7 +37,7 @@ def _model(dtype, device):
         torch.nn.Tanh(),
         torch.nn.Conv2d(6, 4, 3),
         torch.nn.Flatten(),
-        torch.nn.Linear(64, 1100),  # a bucket of its own above 2^16 elements: the compiled codec kernels
+        torch.nn.Linear(64, 1100),  # a bucket of its own above 2^16 elements
         torch.nn.Tanh(),
         torch.nn.Linear(1100, 1),
     )

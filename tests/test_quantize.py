@@ -243,14 +243,14 @@ def test_bitkeys_segment_offsets_give_a_shard_the_full_parameters_bits():
         Q.BitKeys(9, 4, [0, 1], [16, 30], [21])
 
 
-def test_compiled_codec_is_bitwise_equal_to_eager():
-    n = Q._MIN_COMPILED_NUMEL * 2 + 13
+@pytest.mark.parametrize("n", [45, (1 << 17) + 13])  # compiled from 16 elements up; not multiples of 8 or 16: tails
+def test_compiled_codec_is_bitwise_equal_to_eager(n):
     u = torch.rand(n) * 2 - 1
     key = Q.derive_key(1, 2, 3)
     rows = _votes(3, n // 8 + 1)  # m = 3: no exact reciprocal, a division by a constant would show
     counts = torch.stack([Q.unpack_bits(r, 8 * rows.shape[1]) for r in rows]).sum(0)
     planes = torch.stack([Q.pack_bits((counts >> j) & 1) for j in range(2)])
-    keys = Q.BitKeys(3, 5, [2, 0, 1], [1001, 3, 8 * rows.shape[1] - 1004])
+    keys = Q.BitKeys(3, 5, [2, 0, 1], [n // 3, 3, 8 * rows.shape[1] - n // 3 - 3])  # boundaries inside bytes
     edge = torch.tensor([256.0, -300.0, float("inf"), -float("inf"), float("nan"), 1e30, 0.5, -0.5]).repeat(n // 8)
 
     def run():
@@ -267,13 +267,14 @@ def test_compiled_codec_is_bitwise_equal_to_eager():
             keys.requantize_pack(rows, 0, Q.STAGE_NODE, 1, reflect=True),
         )
 
+    before = Q._codec.enabled
     try:
         Q.set_codec_compile(True)
         fast = run()
         Q.set_codec_compile(False)
         slow = run()
     finally:
-        Q.set_codec_compile(True)
+        Q.set_codec_compile(before)
     assert not Q._codec._failed
     for a, b in zip(fast, slow, strict=True):
         assert torch.equal(a, b)

@@ -389,7 +389,7 @@ def release_memory() -> None:
 def warm_codec(solo_topo: Topology, numel: int) -> None:
     """Compile the codec kernels (torch.compile, once per process) before anything is timed.
 
-    Sized like the model (at most 2^17 elements): a tiny model stays on the eager kernels, as in its real steps.
+    Sized like the model (at most 2^17 elements), in two segments as a bucket of parameters is.
     """
     half = max(8, min(1 << 16, numel // 2))
     u = torch.rand(2 * half) * 2 - 1

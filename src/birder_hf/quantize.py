@@ -46,6 +46,7 @@ This module never imports ``torch.distributed``.
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from collections.abc import Sequence
@@ -255,7 +256,9 @@ class _Codec:
     _FUSED = {"requantize_pack": _requantize_pack_fused}
 
     def __init__(self):
-        self.enabled = True
+        # BIRDER_HF_CODEC_COMPILE=0: eager kernels from the start (no compiler, or short-lived processes such as a
+        # test suite's ranks, where the one-off compile per process costs more than it saves)
+        self.enabled = os.environ.get("BIRDER_HF_CODEC_COMPILE", "1") != "0"
         self._compiled: dict[str, object] = {}
         self._failed: set[str] = set()  # kernels that failed to compile (too many variants, no compiler, ...)
         self._lock = threading.Lock()
@@ -293,12 +296,16 @@ class _Codec:
 
 _codec = _Codec()
 
-# Below this many elements the eager kernels are faster than a compiled call's overhead.
-_MIN_COMPILED_NUMEL = 1 << 16
+# Below this many elements the eager kernels run (sizes 0 and 1 would make a compiled kernel specialize and
+# recompile). From here up a compiled call is the faster: ~20 us against ~150 us for the ~20 eager ops at 16 to 8192
+# elements (``benchmarks/codec.py --small``), which a model's many biases and norms pay on every step.
+_MIN_COMPILED_NUMEL = 16
 
 
 def set_codec_compile(enabled: bool) -> None:
-    """Use ``torch.compile``-d codec kernels (default) or eager ones (no compiler needed)."""
+    """Use ``torch.compile``-d codec kernels (default) or eager ones (no compiler needed; bitwise the same bits).
+
+    The environment variable ``BIRDER_HF_CODEC_COMPILE=0`` sets the default to eager."""
     _codec.enabled = bool(enabled)
 
 
