@@ -223,3 +223,7 @@ def test_tta_report_composes_the_clock_and_finds_the_time_to_target(tmp_path):
     assert m["fp32"]["at_budget"] == 1000.0 and m["birder-h"]["at_budget"] == 101.0
     assert "| Birder hierarchical | 0.0005 |" in (tmp_path / "results" / "tta_table.md").read_text()
     assert (tmp_path / "results" / "tta.png").stat().st_size > 10_000
+    assert result["steps"] == 20  # per task, from the runs (tasks differ in steps and batch)
+    # tasks are calibrated (and tuned) one invocation at a time: a second task's result keeps the first's
+    tta._merge(work / "rates.json", {"qa": {"rate_mbit": 30.0}})
+    assert json.loads((work / "rates.json").read_text()) == {"lm": {"rate_mbit": 40.0}, "qa": {"rate_mbit": 30.0}}
