@@ -75,8 +75,8 @@ def small(repeats: int, threads: int, calls: int = 200) -> dict:
     torch.set_num_threads(threads)
     key = Q.derive_key(0, 1)
     rows_of = {n: torch.randint(0, 256, (2, n // 8), dtype=torch.uint8) for n in SMALL_SIZES}  # 2 votes (a node pair)
-    out = {"threads": threads, "torch": torch.__version__, "calls": calls, "loadavg_1min": os.getloadavg()[0],
-           "us_per_call": {}}  # fmt: skip
+    out = {"sizes": list(SMALL_SIZES), "threads": threads, "torch": torch.__version__, "calls": calls,
+           "loadavg_1min": os.getloadavg()[0], "us_per_call": {}}  # fmt: skip
     for n in SMALL_SIZES:
         u, rows = torch.rand(n) * 2 - 1, rows_of[n]
         params, params_m = Q._key_params(key, 0, None), Q._key_params(key, 0, None, 2)
