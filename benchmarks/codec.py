@@ -109,19 +109,21 @@ def main(argv=None):
         res = small(args.repeats, args.threads)
         for n, row in res["us_per_call"].items():
             print(f"{n:>8} " + "  ".join(f"{k} {v:.1f} us" for k, v in row.items()))
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(res, f, indent=2)
+        _write(res, args.out)
         return res
     res = run(args.numel, args.repeats, args.threads, compile_codec=not args.eager)
     print(f"{'kernel':<24}{'ms':>10}{'x copy':>10}")
     for k in res["ms"]:
         print(f"{k:<24}{res['ms'][k]:>10.2f}{res['ratio_vs_copy'][k]:>10.2f}")
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=2)
+    _write(res, args.out)
     return res
+
+
+def _write(res: dict, out: str | None) -> None:
+    if out:
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(res, f, indent=2)
 
 
 if __name__ == "__main__":

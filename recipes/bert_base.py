@@ -49,7 +49,7 @@ from qa_utils import (  # noqa: E402
     squad_metrics,
 )
 
-from birder_hf.collectives import release_process_groups
+from birder_hf.collectives import release_process_groups  # noqa: E402
 from birder_hf.integrations.accelerate import check_really_distributed  # noqa: E402
 from birder_hf.integrations.transformers import BirderArguments, BirderTrainer  # noqa: E402
 

@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from stdlib_text import read_split, stdlib_corpus, token_blocks, train_bpe_tokenizer  # noqa: E402
 
 from birder_hf.base import local_tensor, unwrap_optimizer  # noqa: E402
-from birder_hf.collectives import release_process_groups
+from birder_hf.collectives import release_process_groups  # noqa: E402
 from birder_hf.integrations.accelerate import check_really_distributed  # noqa: E402
 from birder_hf.integrations.transformers import BirderArguments, BirderTrainer, HSDPTrainer  # noqa: E402
 

@@ -39,10 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from embedded_data import write_digits_image_folder  # noqa: E402
 
 from birder_hf import Birder, OneBitAdam, Topology  # noqa: E402
-from birder_hf.collectives import (
-    check_settings,  # noqa: E402
-    release_process_groups,
-)
+from birder_hf.collectives import check_settings, release_process_groups  # noqa: E402
 from birder_hf.integrations.accelerate import check_really_distributed, register_birder_hook  # noqa: E402
 from birder_hf.model_card import model_card_section  # noqa: E402
 

@@ -101,10 +101,9 @@ def host_syncs(fn) -> dict:
 @contextlib.contextmanager
 def eager_codec():
     """The codec's eager kernels inside: for CPU references (no C++ compile on the device; the same bits)."""
-    from birder_hf.quantize import _codec, set_codec_compile
+    from birder_hf.quantize import set_codec_compile
 
-    before = _codec.enabled
-    set_codec_compile(False)
+    before = set_codec_compile(False)
     try:
         yield
     finally:

@@ -35,8 +35,7 @@ def _segments(n):
 
 def codec_results(device, n: int, compiled: bool) -> dict:
     """Every codec kernel on ``device`` for the same inputs (made on the CPU), moved back to the CPU."""
-    before = Q._codec.enabled
-    Q.set_codec_compile(compiled)
+    before = Q.set_codec_compile(compiled)
     try:
         g = torch.Generator().manual_seed(n)
         u_cpu = torch.rand(n, generator=g, dtype=torch.float64).mul_(2).sub_(1).float()

@@ -267,9 +267,8 @@ def test_compiled_codec_is_bitwise_equal_to_eager(n):
             keys.requantize_pack(rows, 0, Q.STAGE_NODE, 1, reflect=True),
         )
 
-    before = Q._codec.enabled
+    before = Q.set_codec_compile(True)
     try:
-        Q.set_codec_compile(True)
         fast = run()
         Q.set_codec_compile(False)
         slow = run()

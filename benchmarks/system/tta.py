@@ -362,13 +362,14 @@ def report(args) -> dict:
               "rates": json.loads((args.work / "rates.json").read_text()), "tuned": lrs, "tasks": {}}  # fmt: skip
     for task in args.tasks:
         key, higher, label = PRIMARY[task]
-        per_method = {}
+        per_method, setting = {}, {"steps": None, "batch_per_proc": None}
         for method in args.methods:
             runs = [read(args.work / "curves" / f"{task}-{method}-seed{s}.jsonl") for s in args.seeds]
             runs = [r for r in runs if any(x.get("kind") == "done" for x in r)]
             if not runs:
                 continue
             steps = runs[0][0]["steps"]
+            setting = {"steps": steps, "batch_per_proc": runs[0][0].get("batch_per_proc")}  # the same for every method
             clock = composed_clock(task, method, steps, 0.1, args)
             evals = [[e for e in r if e.get("kind") == "eval"] for r in runs]
             points = [e["step"] for e in evals[0]]
@@ -393,11 +394,8 @@ def report(args) -> dict:
             m["time_to_target_s"] = _first_reached(m["seconds"], m["median"], target, higher)
             m["time_to_target_per_seed_s"] = [_first_reached(m["seconds"], v, target, higher) for v in m["per_seed"]]
             m["at_budget"] = statistics.median(_at(m["seconds"], v, budget) for v in m["per_seed"])
-        first = next(iter(per_method.values()), None)
-        runs0 = read(args.work / "curves" / f"{task}-{next(iter(per_method), '')}-seed{args.seeds[0]}.jsonl")
         result["tasks"][task] = {"metric": key, "label": label, "target": target, "budget_s": budget,
-                                 "steps": first["steps"][-1] if first else None,
-                                 "batch_per_proc": runs0[0].get("batch_per_proc") if runs0 else None,
+                                 **setting,
                                  "methods": per_method}  # fmt: skip
         for method in args.validate:
             path = args.work / "validate" / f"{task}-{method}.jsonl"

@@ -302,11 +302,13 @@ _codec = _Codec()
 _MIN_COMPILED_NUMEL = 16
 
 
-def set_codec_compile(enabled: bool) -> None:
+def set_codec_compile(enabled: bool) -> bool:
     """Use ``torch.compile``-d codec kernels (default) or eager ones (no compiler needed; bitwise the same bits).
 
-    The environment variable ``BIRDER_HF_CODEC_COMPILE=0`` sets the default to eager."""
-    _codec.enabled = bool(enabled)
+    The environment variable ``BIRDER_HF_CODEC_COMPILE=0`` sets the default to eager. Returns the previous setting
+    (to restore it)."""
+    before, _codec.enabled = _codec.enabled, bool(enabled)
+    return before
 
 
 def _run(name: str, numel: int, *args):
