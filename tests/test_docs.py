@@ -51,8 +51,8 @@ def _bits(method, layout, inter_method="allgather"):
     return 8 * (b["intra_node_bytes"] + b["inter_node_bytes"]) / d, 8 * b["inter_node_bytes"] / d
 
 
-def test_readme_wire_volume_table_is_what_expected_bytes_computes():
-    rows = _table_after(README, "<!-- wire-volume table")
+def test_wire_volume_table_is_what_expected_bytes_computes():
+    rows = _table_after(_text(ROOT / "docs" / "ALGORITHM.md"), "<!-- wire-volume table")
     methods = {"fp32 DDP (baseline)": "fp32", "`allgather`": "allgather", "`scatter_gather`": "scatter_gather"}
     seen = set()
     for cells in rows:
