@@ -7,6 +7,7 @@ Conventions the docs follow (and this file enforces):
 - the docs stand alone: no machine paths, no references to notes outside the repository.
 """
 
+import importlib.util
 import json
 import math
 import re
@@ -188,6 +189,24 @@ def test_docs_stand_alone():
     for doc in DOCS:
         for n, line in enumerate(_text(doc).splitlines(), 1):
             assert not bad.search(line), f"{doc.relative_to(ROOT)}:{n}: {line.strip()}"
+
+
+# ------------------------------------------------------------------------------------------ API reference
+
+
+def test_api_reference_is_what_the_code_gives():
+    # docs/API.md is generated from every public module's __all__, signatures and docstrings; a change to any of them
+    # without `python docs/gen_api.py` fails here
+    spec = importlib.util.spec_from_file_location("gen_api", ROOT / "docs" / "gen_api.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    want = gen.generate()
+    have = _text(ROOT / "docs" / "API.md")
+    drift = [line for line in want.splitlines() if line not in have.splitlines()]
+    drift += [line for line in have.splitlines() if line not in want.splitlines()]
+    assert have == want, "docs/API.md is not what the code gives; run python docs/gen_api.py. Differing lines:\n" + (
+        "\n".join(drift[:10])
+    )
 
 
 # ---------------------------------------------------------------------------------------------- license
