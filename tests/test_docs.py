@@ -163,6 +163,10 @@ def test_marked_table_numbers_are_in_the_cited_results(doc, files, at):
     assert checked >= 4
 
 
+TESTS = {path.name: _text(path) for path in sorted((ROOT / "tests").glob("*.py"))}
+CODE = "\n".join(_text(p) for d in ("src", "benchmarks", "recipes") for p in sorted((ROOT / d).rglob("*.py")))
+
+
 def test_cited_result_files_and_tests_exist():
     for doc in DOCS:
         text = _text(doc)
@@ -172,6 +176,51 @@ def test_cited_result_files_and_tests_exist():
             assert (ROOT / path).is_file(), f"{doc.name} cites {path}"
             if test:
                 assert re.search(rf"^def {test}\(", _text(ROOT / path), re.M), f"{doc.name} cites {path}::{test}"
+        # a test named without its file (`test_x`) is a test function somewhere in tests/ (or, like timm's
+        # `test_resnet` model, a name the code itself uses)
+        for test in re.findall(r"(?<![:\w/])`(test_\w+)`", text):
+            found = any(re.search(rf"^def {test}\(", body, re.M) for body in TESTS.values())
+            assert found or f"{test}.py" in TESTS or f'"{test}"' in CODE, f"{doc.name} cites {test}, which does not exist"
+
+
+CITE = re.compile(r"(?:docs/)?results/([\w.-]+\.(?:json|md|txt))")
+DECIMAL = re.compile(r"(?<![\w.])-?\d[\d,]*(?:\.\d+(?:e-?\d+)?|e-\d+)(?![\w.])")  # 6.05, 0.163, 2e-3: measured-looking
+
+
+def _sentences(text):
+    """Sentences of the prose (code blocks left out) and rows of the tables, each on one line."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    out = []
+    for block in re.split(r"\n\s*\n", text):
+        lines = block.splitlines()
+        if lines and all(line.startswith("|") for line in lines):
+            out += lines
+            continue
+        for item in re.split(r"\n(?=\s*[-*] |\s*\d+\. )", block):
+            out += re.split(r"(?<=[.;:])\s+(?=[A-Z*(\[`])", " ".join(item.split()))
+    return out
+
+
+def test_numbers_next_to_a_cited_results_file_are_in_it():
+    # a sentence (or table row) that cites docs/results/<file> quotes that file: each decimal number in it must be
+    # one of the file's numbers, as rounded (whole numbers are left out: counts, sizes and settings). Sentences about
+    # a previous version of a file (`git show <rev>:docs/results/...`, `git log -p ...`) cite history, not the file.
+    # The marked tables are checked cell by cell above.
+    cache, wrong = {}, []
+    for doc in DOCS:
+        for sentence in _sentences(_text(doc)):
+            files = CITE.findall(sentence)
+            if not files or "<!--" in sentence or "git show" in sentence or "git log" in sentence:
+                continue
+            values = []
+            for name in files:
+                if name not in cache:
+                    path = RESULTS / name
+                    cache[name] = _numbers_in(path) if path.is_file() else []
+                values += cache[name]
+            wrong += [f"{doc.name}: {x} not in {files}: {sentence[:160]}" for x in DECIMAL.findall(sentence)
+                      if not _quoted(x, values)]
+    assert not wrong, "\n".join(wrong)
 
 
 def test_convergence_tables_are_the_stored_ones():
