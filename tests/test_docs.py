@@ -103,7 +103,11 @@ def _numbers_in(path):
         if isinstance(v, (int, float)):
             out.append(float(v))
         elif isinstance(v, dict):
-            for x in v.values():
+            for k, x in v.items():
+                try:  # a number used as a key (a grid's learning rates) is one of the file's numbers too
+                    out.append(float(k))
+                except ValueError:
+                    pass
                 walk(x)
         elif isinstance(v, list):
             for x in v:
