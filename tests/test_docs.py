@@ -187,6 +187,21 @@ def test_cited_result_files_and_tests_exist():
             assert found or f"{test}.py" in TESTS or f'"{test}"' in CODE, f"{doc.name} cites {test}, which does not exist"
 
 
+def _slug(heading):
+    """GitHub's anchor of a markdown heading: lower case, punctuation but - and _ dropped, spaces as -."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_between_docs_reach_a_file_and_heading():
+    for doc in DOCS:
+        for target, anchor in re.findall(r"\]\(([\w./-]*\.md|)(?:#([\w-]+))?\)", _text(doc)):
+            path = (doc.parent / target).resolve() if target else doc
+            assert path.is_file(), f"{doc.name} links to {target}"
+            if anchor:
+                slugs = {_slug(h) for h in re.findall(r"^#+ (.+)$", _text(path), re.M)}
+                assert anchor in slugs, f"{doc.name} links to {target}#{anchor}, a heading {path.name} does not have"
+
+
 CITE = re.compile(r"(?:docs/)?results/([\w.-]+\.(?:json|md|txt))")
 DECIMAL = re.compile(r"(?<![\w.])-?\d[\d,]*(?:\.\d+(?:e-?\d+)?|e-\d+)(?![\w.])")  # 6.05, 0.163, 2e-3: measured-looking
 
