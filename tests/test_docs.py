@@ -184,7 +184,8 @@ def test_cited_result_files_and_tests_exist():
         # `test_resnet` model, a name the code itself uses)
         for test in re.findall(r"(?<![:\w/])`(test_\w+)`", text):
             found = any(re.search(rf"^def {test}\(", body, re.M) for body in TESTS.values())
-            assert found or f"{test}.py" in TESTS or f'"{test}"' in CODE, f"{doc.name} cites {test}, which does not exist"
+            exists = found or f"{test}.py" in TESTS or f'"{test}"' in CODE
+            assert exists, f"{doc.name} cites {test}, which does not exist"
 
 
 def _slug(heading):
@@ -237,8 +238,9 @@ def test_numbers_next_to_a_cited_results_file_are_in_it():
                     path = RESULTS / name
                     cache[name] = _numbers_in(path) if path.is_file() else []
                 values += cache[name]
-            wrong += [f"{doc.name}: {x} not in {files}: {sentence[:160]}" for x in DECIMAL.findall(sentence)
-                      if not _quoted(x, values)]
+            for x in DECIMAL.findall(sentence):
+                if not _quoted(x, values):
+                    wrong.append(f"{doc.name}: {x} not in {files}: {sentence[:160]}")
     assert not wrong, "\n".join(wrong)
 
 
