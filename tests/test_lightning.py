@@ -129,8 +129,8 @@ def test_real_trainer_refuses_another_optimizer_on_every_rank(run):
 
 def test_fp16_mixed_precision_trains_with_the_loss_scaled_gradients(run):
     # Lightning's fp16 AMP (MixedPrecision + GradScaler): the scaler must not un-scale .grad (it holds d after the
-    # hook) and Birder's u = m / b ignores the scale, so a run with the loss scaled by 2**12 ends exactly where the same
-    # fp16 run with scale 1 does, on every rank, with no step skipped and the scale never backed off
+    # hook) and Birder's u = m / b ignores the scale, so a run with the loss scaled by 2**12 ends exactly where the
+    # same fp16 run with scale 1 does, on every rank, with no step skipped and the scale never backed off
     out, _ = run
     for rank in (0, 1):
         scaled, plain = _load(out, "fp16", rank), _load(out, "fp16-scale1", rank)
