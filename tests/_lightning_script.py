@@ -9,7 +9,10 @@ into OUT_DIR:
 - ``resume``: ``fit(ckpt_path=<epoch 1>)`` up to 4 epochs; must equal ``full`` bit for bit on every rank;
 - ``nodes2x1``: ``hierarchy_num_nodes=2``: the 2 processes as 2 nodes x 1 rank;
 - ``onebitadam``: OneBitAdam through the same strategy;
-- ``refused``: an AdamW optimizer; every rank must raise the strategy's TypeError at setup.
+- ``refused``: an AdamW optimizer; every rank must raise the strategy's TypeError at setup;
+- ``fp16``, ``fp16-scale1``: ``precision="16-mixed"`` through Lightning's ``MixedPrecision`` plugin with a
+  ``GradScaler("cpu")`` of initial scale 2**12 and 1 (the ``precision="16-mixed"`` flag becomes bf16-mixed on CPU; the
+  plugin runs the control flow a GPU run takes).
 """
 
 import json
@@ -20,6 +23,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader, TensorDataset
 
 from birder_hf import Birder, OneBitAdam
@@ -78,6 +82,9 @@ def fit(tag: str, optimizer: str = "birder", strategy_kwargs=None, ckpt_path=Non
             "topology": repr(state.topology),
             "bytes_sent": state.stats.total_bytes,
             "global_step": trainer.global_step,
+            "skipped_steps": state.skipped_steps,
+            "precision": type(trainer.precision_plugin).__name__ + " " + str(trainer.precision),
+            "scale": getattr(getattr(trainer.precision_plugin, "scaler", None), "get_scale", lambda: None)(),
         },
         os.path.join(OUT, f"{tag}-rank{trainer.global_rank}.pt"),
     )
@@ -95,6 +102,9 @@ try:
     refusal = None
 except TypeError as exc:
     refusal = str(exc)
+for tag, scale in (("fp16", 2.0**12), ("fp16-scale1", 1.0)):
+    amp = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=scale))
+    fit(tag, max_epochs=2, plugins=[amp])
 rank = int(os.environ.get("LOCAL_RANK", 0))
 with open(os.path.join(OUT, f"refused-rank{rank}.json"), "w") as f:
     json.dump({"error": refusal}, f)

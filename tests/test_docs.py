@@ -7,6 +7,7 @@ Conventions the docs follow (and this file enforces):
 - the docs stand alone: no machine paths, no references to notes outside the repository.
 """
 
+import importlib.util
 import json
 import math
 import re
@@ -51,8 +52,8 @@ def _bits(method, layout, inter_method="allgather"):
     return 8 * (b["intra_node_bytes"] + b["inter_node_bytes"]) / d, 8 * b["inter_node_bytes"] / d
 
 
-def test_readme_wire_volume_table_is_what_expected_bytes_computes():
-    rows = _table_after(README, "<!-- wire-volume table")
+def test_wire_volume_table_is_what_expected_bytes_computes():
+    rows = _table_after(_text(ROOT / "docs" / "ALGORITHM.md"), "<!-- wire-volume table")
     methods = {"fp32 DDP (baseline)": "fp32", "`allgather`": "allgather", "`scatter_gather`": "scatter_gather"}
     seen = set()
     for cells in rows:
@@ -102,7 +103,11 @@ def _numbers_in(path):
         if isinstance(v, (int, float)):
             out.append(float(v))
         elif isinstance(v, dict):
-            for x in v.values():
+            for k, x in v.items():
+                try:  # a number used as a key (a grid's learning rates) is one of the file's numbers too
+                    out.append(float(k))
+                except ValueError:
+                    pass
                 walk(x)
         elif isinstance(v, list):
             for x in v:
@@ -162,6 +167,10 @@ def test_marked_table_numbers_are_in_the_cited_results(doc, files, at):
     assert checked >= 4
 
 
+TESTS = {path.name: _text(path) for path in sorted((ROOT / "tests").glob("*.py"))}
+CODE = "\n".join(_text(p) for d in ("src", "benchmarks", "recipes") for p in sorted((ROOT / d).rglob("*.py")))
+
+
 def test_cited_result_files_and_tests_exist():
     for doc in DOCS:
         text = _text(doc)
@@ -171,6 +180,68 @@ def test_cited_result_files_and_tests_exist():
             assert (ROOT / path).is_file(), f"{doc.name} cites {path}"
             if test:
                 assert re.search(rf"^def {test}\(", _text(ROOT / path), re.M), f"{doc.name} cites {path}::{test}"
+        # a test named without its file (`test_x`) is a test function somewhere in tests/ (or, like timm's
+        # `test_resnet` model, a name the code itself uses)
+        for test in re.findall(r"(?<![:\w/])`(test_\w+)`", text):
+            found = any(re.search(rf"^def {test}\(", body, re.M) for body in TESTS.values())
+            exists = found or f"{test}.py" in TESTS or f'"{test}"' in CODE
+            assert exists, f"{doc.name} cites {test}, which does not exist"
+
+
+def _slug(heading):
+    """GitHub's anchor of a markdown heading: lower case, punctuation but - and _ dropped, spaces as -."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_between_docs_reach_a_file_and_heading():
+    for doc in DOCS:
+        for target, anchor in re.findall(r"\]\(([\w./-]*\.md|)(?:#([\w-]+))?\)", _text(doc)):
+            path = (doc.parent / target).resolve() if target else doc
+            assert path.is_file(), f"{doc.name} links to {target}"
+            if anchor:
+                slugs = {_slug(h) for h in re.findall(r"^#+ (.+)$", _text(path), re.M)}
+                assert anchor in slugs, f"{doc.name} links to {target}#{anchor}, a heading {path.name} does not have"
+
+
+CITE = re.compile(r"(?:docs/)?results/([\w.-]+\.(?:json|md|txt))")
+DECIMAL = re.compile(r"(?<![\w.])-?\d[\d,]*(?:\.\d+(?:e-?\d+)?|e-\d+)(?![\w.])")  # 6.05, 0.163, 2e-3: measured-looking
+
+
+def _sentences(text):
+    """Sentences of the prose (code blocks left out) and rows of the tables, each on one line."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    out = []
+    for block in re.split(r"\n\s*\n", text):
+        lines = block.splitlines()
+        if lines and all(line.startswith("|") for line in lines):
+            out += lines
+            continue
+        for item in re.split(r"\n(?=\s*[-*] |\s*\d+\. )", block):
+            out += re.split(r"(?<=[.;:])\s+(?=[A-Z*(\[`])", " ".join(item.split()))
+    return out
+
+
+def test_numbers_next_to_a_cited_results_file_are_in_it():
+    # a sentence (or table row) that cites docs/results/<file> quotes that file: each decimal number in it must be
+    # one of the file's numbers, as rounded (whole numbers are left out: counts, sizes and settings). Sentences about
+    # a previous version of a file (`git show <rev>:docs/results/...`, `git log -p ...`) cite history, not the file.
+    # The marked tables are checked cell by cell above.
+    cache, wrong = {}, []
+    for doc in DOCS:
+        for sentence in _sentences(_text(doc)):
+            files = CITE.findall(sentence)
+            if not files or "<!--" in sentence or "git show" in sentence or "git log" in sentence:
+                continue
+            values = []
+            for name in files:
+                if name not in cache:
+                    path = RESULTS / name
+                    cache[name] = _numbers_in(path) if path.is_file() else []
+                values += cache[name]
+            for x in DECIMAL.findall(sentence):
+                if not _quoted(x, values):
+                    wrong.append(f"{doc.name}: {x} not in {files}: {sentence[:160]}")
+    assert not wrong, "\n".join(wrong)
 
 
 def test_convergence_tables_are_the_stored_ones():
@@ -188,6 +259,24 @@ def test_docs_stand_alone():
     for doc in DOCS:
         for n, line in enumerate(_text(doc).splitlines(), 1):
             assert not bad.search(line), f"{doc.relative_to(ROOT)}:{n}: {line.strip()}"
+
+
+# ------------------------------------------------------------------------------------------ API reference
+
+
+def test_api_reference_is_what_the_code_gives():
+    # docs/API.md is generated from every public module's __all__, signatures and docstrings; a change to any of them
+    # without `python docs/gen_api.py` fails here
+    spec = importlib.util.spec_from_file_location("gen_api", ROOT / "docs" / "gen_api.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    want = gen.generate()
+    have = _text(ROOT / "docs" / "API.md")
+    drift = [line for line in want.splitlines() if line not in have.splitlines()]
+    drift += [line for line in have.splitlines() if line not in want.splitlines()]
+    assert have == want, "docs/API.md is not what the code gives; run python docs/gen_api.py. Differing lines:\n" + (
+        "\n".join(drift[:10])
+    )
 
 
 # ---------------------------------------------------------------------------------------------- license

@@ -365,6 +365,27 @@ def test_fsdp1_is_refused():
     assert all("not FSDP1" in msg for msg in run_distributed(fn, 2))
 
 
+def test_tensor_parallel_is_refused():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    def fn(rank, world):
+        mesh = _mesh((1, 2))
+        errors = []
+        mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        one = torch.nn.Sequential(torch.nn.Linear(8, 16))
+        for model, plan in ((mlp, {"0": ColwiseParallel(), "2": RowwiseParallel()}), (one, {"0": ColwiseParallel()})):
+            parallelize_module(model, mesh["shard"], plan)
+            try:
+                register_birder_fsdp(model, _optimizer(model.parameters()), mesh)
+            except ValueError as e:
+                errors.append(str(e))
+        return errors
+
+    for rowwise, colwise in run_distributed(fn, 2):
+        assert "one Shard(0) placement" in rowwise  # a row-wise layer's weight is Shard(1)
+        assert "found no FSDP2 module" in colwise  # column-wise only: Shard(0) everywhere, but no FSDP unit
+
+
 def test_register_needs_an_initialized_process_group():
     with pytest.raises(RuntimeError, match="init_process_group"):
         register_birder_fsdp(_model(), _optimizer(_model().parameters()), None)

@@ -160,6 +160,10 @@ def test_trainer_refusals_at_construction(tmp_path):
         BirderTrainer(model=TinyRegressor(), args=args(fp16=True), birder_args=BirderArguments(optimizer="onebitadam"))
     with pytest.raises(ValueError, match="Trainer's own FSDP.*sharding='hsdp'"):  # refused in one process too
         BirderTrainer(model=TinyRegressor(), args=args(fsdp=True))
+    deepspeed = args()  # TrainingArguments(deepspeed=...) imports DeepSpeed, which CI does not install
+    deepspeed.deepspeed = "ds_config.json"
+    with pytest.raises(ValueError, match="Trainer's own DeepSpeed.*sharding='hsdp'"):
+        BirderTrainer(model=TinyRegressor(), args=deepspeed)
     model = TinyRegressor()
     trainer = BirderTrainer(
         model=model,

@@ -305,7 +305,9 @@ def _doc_commands(text: str, prefix: str, markdown: bool) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("doc", ["README.md", "recipes/README.md", "accelerate_configs/slurm_multi_node.sh"])
+@pytest.mark.parametrize(
+    "doc", ["docs/TROUBLESHOOTING.md", "recipes/README.md", "accelerate_configs/slurm_multi_node.sh"]
+)
 def test_docs_show_preflight_next_to_every_multi_node_launch_and_its_lines_parse(doc, monkeypatch):
     text = (ROOT / doc).read_text(encoding="utf-8")
     md = doc.endswith(".md")
