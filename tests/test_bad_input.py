@@ -458,6 +458,25 @@ def _bad_process_group_method(rank):
         Birder([_param()], process_group=dist.group.WORLD, comm_method="bogus")
 
 
+def _ddp_hook_with_method(rank):
+    from birder_hf.hook import attach_ddp_hook
+
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+    attach_ddp_hook(model, Birder(model.parameters(), lr=0.1), method="Hierarchical" if rank == 0 else "hierarchical")
+
+
+def _hook_with_quantize(rank):
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+    BirderHookState(Birder(model.parameters(), lr=0.1, quantize=rank != 0))
+
+
+def _process_group_birder(rank, shape=(3,), **settings):
+    p = torch.nn.Parameter(torch.ones(shape))
+    opt = Birder([p], seed=0, process_group=dist.group.WORLD, **settings)
+    p.grad = torch.ones(shape)
+    opt.step()
+
+
 TWO_RANKS = [
     P(
         lambda r: onebit_all_reduce(torch.zeros(8 if r == 0 else 64), topology=Topology.flat(), method="allgather"),
@@ -521,6 +540,50 @@ TWO_RANKS = [
         "TypeError",
         ["DeviceMesh", "init_device_mesh"],
         id="from-device-mesh-none",
+    ),
+    # issue 24: the optimizer-side all-reduce agrees on its settings as the hooks do (they used to drift apart), and
+    # a bad value on one rank stops every rank (the others used to wait until the process-group timeout)
+    P(
+        lambda r: _process_group_birder(r, lr=float("nan") if r == 0 else 0.1),
+        "ValueError",
+        ["rank 0: Invalid learning rate lr=nan", "finite float >= 0"],
+        id="process-group-lr-nan-on-one-rank",
+    ),
+    P(
+        lambda r: _process_group_birder(r, lr=0.1 * (r + 1)),
+        "ValueError",
+        ["Birder(process_group=...)", "param group 0 lr: rank 0 0.1, rank 1 0.2", "same parameters and settings"],
+        id="process-group-lr-differs",
+    ),
+    P(
+        lambda r: _process_group_birder(r, weight_decay=0.1 * r, beta=0.9 + 0.05 * r, maximize=r == 1),
+        "ValueError",
+        ["weight_decay: rank 0 0.0, rank 1 0.1", "beta: rank 0 0.9, rank 1 0.95", "maximize: rank 0 False, rank 1 True"],
+        id="process-group-settings-differ",
+    ),
+    P(
+        lambda r: _process_group_birder(r, shape=(3,) if r == 0 else (4,)),
+        "ValueError",
+        ["parameters: rank 0 [(3,)], rank 1 [(4,)]"],
+        id="process-group-shapes-differ",
+    ),
+    P(
+        lambda r: Birder([_param()], lr=float("nan") if r else 0.1, topology=Topology.flat()),
+        "ValueError",
+        ["rank 1: Invalid learning rate lr=nan"],
+        id="topology-lr-nan-on-one-rank",
+    ),
+    P(
+        _ddp_hook_with_method,
+        "ValueError",
+        ["rank 0: unknown method 'Hierarchical'", "valid methods"],
+        id="attach-ddp-hook-method-on-one-rank",
+    ),
+    P(
+        _hook_with_quantize,
+        "ValueError",
+        ["rank 0: quantize=False is for one process only"],
+        id="hook-quantize-false-on-one-rank",
     ),
 ]
 
