@@ -113,6 +113,16 @@ def _squad(env, text):
     return load_squad_json(path)
 
 
+def _birder_trainer(env, **training):
+    pytest.importorskip("transformers")
+    from transformers import TrainingArguments
+
+    from birder_hf.integrations.transformers import BirderArguments, BirderTrainer
+
+    args = TrainingArguments(output_dir=os.path.join(env.dir, "out"), use_cpu=True, report_to=[], **training)
+    return BirderTrainer(model=env.model, args=args, birder_args=BirderArguments())
+
+
 def _with_state(env, edit):
     sd = env.state_dict()
     edit(sd)
@@ -351,6 +361,19 @@ ROWS = [
         ["rank=3", "[0, world_size)"],
         id="load-rank-past-world",
     ),
+    # issue 24: an optim the Trainer would have ignored
+    P(
+        lambda e: _birder_trainer(e, optim="adafactor"),
+        ValueError,
+        ["TrainingArguments.optim='adafactor'", "BirderTrainer trains with Birder", "Leave --optim at its default"],
+        id="trainer-optim-adafactor",
+    ),
+    P(
+        lambda e: _birder_trainer(e, optim="sgd"),
+        ValueError,
+        ["TrainingArguments.optim='sgd'", "would ignore it"],
+        id="trainer-optim-sgd",
+    ),
 ]
 
 
@@ -408,6 +431,23 @@ def test_what_used_to_fail_now_works(tmp_path):
     assert torch.is_tensor(env.opt.state[env.model.weight]["step"])
     env.opt.step()
     assert int(env.opt.state[env.model.weight]["step"]) == 3
+
+
+def test_birder_trainer_leaves_the_callers_training_arguments_alone(tmp_path):
+    # issue 24: BirderTrainer set the caller's own max_grad_norm to 0, so a baseline Trainer reusing the object
+    # trained without clipping; now the Trainer works on a copy
+    transformers = pytest.importorskip("transformers")
+    from birder_hf.integrations.transformers import BirderTrainer
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_grad_norm=1.0)
+    before = copy.deepcopy(args.to_dict())
+    trainer = BirderTrainer(model=torch.nn.Linear(4, 3), args=args)
+    assert trainer.args.max_grad_norm == 0.0  # Birder's own Trainer does not clip d
+    assert args.max_grad_norm == 1.0 and args.to_dict() == before  # the caller's object is unchanged
+    baseline = transformers.Trainer(model=torch.nn.Linear(4, 3), args=args)
+    assert baseline.args.max_grad_norm == 1.0  # a baseline reusing it clips as asked
+    positional = BirderTrainer(torch.nn.Linear(4, 3), args)  # args given positionally: copied too
+    assert positional.args is not args and positional.args.max_grad_norm == 0.0 and args.max_grad_norm == 1.0
 
 
 def test_a_parameter_changed_after_its_state_was_made_fails_before_anything_is_written(tmp_path):
