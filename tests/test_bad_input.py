@@ -23,6 +23,7 @@ from _dist import run_distributed
 
 from birder_hf import Birder, BirderHookState, OneBitAdam, Topology, onebit_all_reduce
 from birder_hf.checkpoint import load_rank_state, save_rank_state
+from birder_hf.preflight import PreflightError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -111,6 +112,23 @@ def _squad(env, text):
         f.write(text)
     env.snapshot_files_again = True
     return load_squad_json(path)
+
+
+def _recipe_args(name, *argv):
+    return _recipe(name).parse_args(list(argv))
+
+
+def _preflight(*argv):
+    from birder_hf import preflight
+
+    return preflight._config(preflight._parser().parse_args(list(argv)), {})
+
+
+def _resnet_data_dir(env, *folders):
+    root = os.path.join(env.dir, "images")
+    for folder in folders:
+        os.makedirs(os.path.join(root, folder, "class0"), exist_ok=True)
+    return _resnet_args("--data_dir", root)
 
 
 def _birder_trainer(env, **training):
@@ -374,6 +392,89 @@ ROWS = [
         ["TrainingArguments.optim='sgd'", "would ignore it"],
         id="trainer-optim-sgd",
     ),
+    # issue 24: recipe and preflight flags checked at parse time, the flag named (they trained and failed before
+    # saving, were read as "no limit" or as the default, or were reported as a network failure)
+    P(
+        lambda e: _recipe_args("causal_lm", "--max_eval_blocks", "0"),
+        ValueError,
+        ["--max_eval_blocks must be >= 1", "got 0"],
+        id="causal-lm-max-eval-blocks-0",
+    ),
+    P(
+        lambda e: _recipe_args("causal_lm", "--max_files", "0"),
+        ValueError,
+        ["--max_files must be >= 1"],
+        id="causal-lm-max-files-0",
+    ),
+    P(
+        lambda e: _recipe_args("causal_lm", "--validation_percent", "0"),
+        ValueError,
+        ["--validation_percent must lie in 1..99"],
+        id="causal-lm-validation-percent-0",
+    ),
+    P(
+        lambda e: _recipe_args("bert_base", "--max_train_samples", "0"),
+        ValueError,
+        ["--max_train_samples must be >= 1", "got 0"],
+        id="bert-max-train-samples-0",
+    ),
+    P(
+        lambda e: _recipe_args("bert_base", "--max_eval_samples", "0"),
+        ValueError,
+        ["--max_eval_samples must be >= 1"],
+        id="bert-max-eval-samples-0",
+    ),
+    P(
+        lambda e: _recipe_args("bert_base", "--embedded_num_eval", "0"),
+        ValueError,
+        ["--embedded_num_eval must be >= 1"],
+        id="bert-embedded-num-eval-0",
+    ),
+    P(
+        lambda e: _resnet_args("--warmup_epochs", "nan"),
+        ValueError,
+        ["--warmup_epochs must be a finite number >= 0, got nan"],
+        id="resnet-warmup-nan",
+    ),
+    P(
+        lambda e: _resnet_args("--warmup_epochs", "inf"),
+        ValueError,
+        ["--warmup_epochs must be a finite number >= 0, got inf"],
+        id="resnet-warmup-inf",
+    ),
+    P(lambda e: _resnet_args("--image_size", "0"), ValueError, ["--image_size must be >= 1"], id="resnet-image-0"),
+    P(lambda e: _resnet_args("--lr", "nan"), ValueError, ["--lr must be a finite number >= 0"], id="resnet-lr-nan"),
+    P(lambda e: _resnet_args("--beta", "1.0"), ValueError, ["--beta must be in [0, 1)"], id="resnet-beta-1"),
+    P(
+        lambda e: _resnet_data_dir(e, "train"),
+        ValueError,
+        ["has no val/ folder", "train/<class>/ and val/<class>/"],
+        id="resnet-data-dir-without-val",
+    ),
+    P(
+        lambda e: _preflight("--nnodes", "0", "--num_processes", "2"),
+        PreflightError,
+        ["--nnodes 0 must be at least 1"],
+        id="preflight-nnodes-0",
+    ),
+    P(
+        lambda e: _preflight("--timeout", "nan"),
+        PreflightError,
+        ["--timeout nan must be a finite number > 0"],
+        id="preflight-timeout-nan",
+    ),
+    P(
+        lambda e: _preflight("--timeout", "inf"),
+        PreflightError,
+        ["--timeout inf must be a finite number > 0"],
+        id="preflight-timeout-inf",
+    ),
+    P(
+        lambda e: _preflight("--size_mb", "nan"),
+        PreflightError,
+        ["--size_mb nan must be a finite number > 0"],
+        id="preflight-size-mb-nan",
+    ),
 ]
 
 
@@ -598,7 +699,11 @@ TWO_RANKS = [
     P(
         lambda r: _process_group_birder(r, weight_decay=0.1 * r, beta=0.9 + 0.05 * r, maximize=r == 1),
         "ValueError",
-        ["weight_decay: rank 0 0.0, rank 1 0.1", "beta: rank 0 0.9, rank 1 0.95", "maximize: rank 0 False, rank 1 True"],
+        [
+            "weight_decay: rank 0 0.0, rank 1 0.1",
+            "beta: rank 0 0.9, rank 1 0.95",
+            "maximize: rank 0 False, rank 1 True",
+        ],
         id="process-group-settings-differ",
     ),
     P(

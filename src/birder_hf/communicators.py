@@ -214,8 +214,8 @@ class HookState(Communicator):
             self._check_setup(optimizer, topology)
             if not dist.is_available() or not dist.is_initialized():
                 raise RuntimeError(f"{self.hook_name} needs torch.distributed to be initialized (init_process_group).")
-            layout = (1, dist.get_world_size()) if topology is None else (topology.num_nodes, topology.local_world_size)
-            settings = self._settings(optimizer, layout)
+            nodes = (1, dist.get_world_size()) if topology is None else (topology.num_nodes, topology.local_world_size)
+            settings = self._settings(optimizer, nodes)
         except Exception as exc:
             error = exc
         agree_setup(
@@ -591,9 +591,8 @@ class StepAllReduce(Communicator):
                             f"{type(process_group).__name__}."
                         )
                     layout = (1, dist.get_world_size(process_group))
-                settings = communicator_settings(
-                    "StepAllReduce", optimizer, layout, method=method, inter_method=inter_method, chunk_numel=chunk_numel
-                )
+                own = dict(method=method, inter_method=inter_method, chunk_numel=chunk_numel)
+                settings = communicator_settings("StepAllReduce", optimizer, layout, **own)
             except Exception as exc:
                 error = exc
         agree_setup(
