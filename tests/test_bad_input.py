@@ -606,6 +606,18 @@ def _ddp_hook_with_method(rank):
     attach_ddp_hook(model, Birder(model.parameters(), lr=0.1), method="Hierarchical" if rank == 0 else "hierarchical")
 
 
+def _accelerate_hook_with_method(rank):
+    from accelerate import Accelerator
+
+    from birder_hf.integrations.accelerate import register_birder_hook
+
+    acc = Accelerator(cpu=True)
+    assert acc.num_processes == 2, acc.num_processes
+    model = torch.nn.Linear(2, 2)
+    model, opt = acc.prepare(model, Birder(model.parameters(), lr=0.1))
+    register_birder_hook(acc, model, opt, method="hierarchical" if rank == 0 else "Hierarchical")
+
+
 def _hook_with_quantize(rank):
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
     BirderHookState(Birder(model.parameters(), lr=0.1, quantize=rank != 0))
@@ -743,6 +755,16 @@ def test_two_ranks_fail_together_within_seconds(fn, error, says):
         assert unchanged in (None, True)
         for needle in says:
             assert needle in message, f"{needle!r} not in {message!r}"
+
+
+def test_register_birder_hook_with_a_bad_method_on_one_rank_stops_every_rank():
+    # issue 24: launched as accelerate launches (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE set, so the Accelerator sees 2
+    # processes); rank 1's bad method used to leave rank 0 waiting in Topology.from_env's collective
+    results = run_distributed(_every_rank(_accelerate_hook_with_method), 2, local_world_size=2, timeout=60)
+    assert results[0][1] == results[1][1], results
+    for kind, message, seconds, _ in results:
+        assert kind == "ValueError" and seconds < 10, (kind, message, seconds)
+        assert "rank 1: unknown method 'Hierarchical'" in message and "valid methods" in message, message
 
 
 def test_from_env_world_size_not_a_number():
