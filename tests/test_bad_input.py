@@ -767,6 +767,21 @@ def test_register_birder_hook_with_a_bad_method_on_one_rank_stops_every_rank():
         assert "rank 1: unknown method 'Hierarchical'" in message and "valid methods" in message, message
 
 
+def _outside_the_group(rank, world):
+    sub = dist.new_group([0])  # rank 1 gets torch's non-member marker
+    try:
+        Birder([_param()], process_group=sub)
+        return None
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+
+
+def test_a_rank_outside_the_process_group_is_told_so():
+    inside, outside = run_distributed(_outside_the_group, 2, timeout=60)
+    assert inside is None  # rank 0 alone: nothing to agree with, nobody waits
+    assert outside[0] == "ValueError" and "not a member of process_group" in outside[1], outside
+
+
 def test_from_env_world_size_not_a_number():
     def fn(rank):
         return Topology.from_env()

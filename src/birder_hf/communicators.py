@@ -96,9 +96,9 @@ def agree_setup(group, settings: dict | None, error: Exception | None = None, *,
     with its ``settings`` (:func:`communicator_settings`) or the ``error`` its own checks raised. If a rank had an
     error, every rank raises it (its type; ``"rank r: "`` before the message unless every rank had the same one); if
     the settings differ, every rank raises the same ``ValueError`` naming them. ``group`` ``None`` or of one rank:
-    no exchange, just ``error``.
+    no exchange, just ``error`` (also where this rank is not a member of ``group``: nobody there waits for it).
     """
-    if group is None or dist.get_world_size(group) == 1:
+    if group is None or dist.get_rank(group) < 0 or dist.get_world_size(group) == 1:
         if error is not None:
             raise error
         return
@@ -585,6 +585,11 @@ class StepAllReduce(Communicator):
                     topology._check_open()
                     layout = (topology.num_nodes, topology.local_world_size)
                 else:
+                    if process_group is getattr(dist.GroupMember, "NON_GROUP_MEMBER", object()):
+                        raise ValueError(
+                            "This process is not a member of process_group (new_group() returned it the non-member "
+                            "marker): build the optimizer with process_group= only on the group's ranks."
+                        )
                     if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
                         raise TypeError(
                             "process_group must be a torch.distributed ProcessGroup (e.g. dist.group.WORLD), got "
