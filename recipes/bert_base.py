@@ -127,6 +127,23 @@ class DataArguments:
                 raise ValueError(f"{flag} {path} is not a file (SQuAD v1.1-format JSON).")
         if self.doc_stride >= self.max_seq_length:
             raise ValueError("--doc_stride must be smaller than --max_seq_length.")
+        # every count is checked here, flag by flag (--max_train_samples 0 used to mean "all of them")
+        for flag, value, low in (
+            ("--embedded_num_train", self.embedded_num_train, 1),
+            ("--embedded_num_eval", self.embedded_num_eval, 1),
+            ("--max_seq_length", self.max_seq_length, 1),
+            ("--doc_stride", self.doc_stride, 0),
+            ("--n_best_size", self.n_best_size, 1),
+            ("--max_answer_length", self.max_answer_length, 1),
+        ):
+            if value < low:
+                raise ValueError(f"{flag} must be >= {low}, got {value}.")
+        for flag, value in (
+            ("--max_train_samples", self.max_train_samples),
+            ("--max_eval_samples", self.max_eval_samples),
+        ):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be >= 1 (or left out: every example), got {value}.")
 
 
 @dataclass
@@ -234,9 +251,9 @@ def train(model_args, data_args, opt_args, training_args):
     logger.info("world size %d, optimizer %s (%s)", training_args.world_size, opt_args.optimizer, opt_args.method)
 
     train_raw, eval_raw = build_datasets(data_args, training_args)
-    if data_args.max_train_samples:
+    if data_args.max_train_samples is not None:
         train_raw = train_raw.select(range(min(data_args.max_train_samples, len(train_raw))))
-    if data_args.max_eval_samples:
+    if data_args.max_eval_samples is not None:
         eval_raw = eval_raw.select(range(min(data_args.max_eval_samples, len(eval_raw))))
     tokenizer = build_tokenizer(model_args, train_raw, training_args)
     torch.manual_seed(training_args.seed)

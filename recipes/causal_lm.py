@@ -109,8 +109,16 @@ class DataArguments:
     )
 
     def __post_init__(self):
+        # checked at parse time, flag by flag: a bad value must not surface after training (an empty validation set
+        # failed in evaluate(), before the model was saved) or be read as "no limit" (--max_files 0)
         if self.block_size < 8 or self.vocab_size < 300:
             raise ValueError("--block_size must be >= 8 and --vocab_size >= 300 (the byte alphabet is 256 tokens).")
+        if not 0 < self.validation_percent < 100:
+            raise ValueError(f"--validation_percent must lie in 1..99, got {self.validation_percent}.")
+        if self.max_eval_blocks < 1:
+            raise ValueError(f"--max_eval_blocks must be >= 1 (blocks to evaluate), got {self.max_eval_blocks}.")
+        if self.max_files is not None and self.max_files < 1:
+            raise ValueError(f"--max_files must be >= 1 (or left out: every file), got {self.max_files}.")
 
 
 @dataclass
@@ -138,7 +146,7 @@ def parse_args(argv=None):
 def build_data(model_args, data_args, training_args):
     """Tokenizer, train and validation blocks (cached), and the corpus manifest."""
     corpus = stdlib_corpus(data_args.validation_percent)
-    if data_args.max_files:
+    if data_args.max_files is not None:
         files = corpus["files"]
         split = {s: [f for f in files if f["split"] == s][: data_args.max_files] for s in ("train", "validation")}
         corpus["files"] = split["train"] + split["validation"]

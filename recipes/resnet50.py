@@ -97,13 +97,32 @@ class Args:
         ):
             if value < low:
                 raise ValueError(f"{flag} must be >= {low}, got {value}.")
-        for flag, value in (("--max_steps", self.max_steps), ("--num_nodes", self.num_nodes)):
+        for flag, value in (
+            ("--max_steps", self.max_steps),
+            ("--num_nodes", self.num_nodes),
+            ("--image_size", self.image_size),  # 0 used to mean the default size
+        ):
             if value is not None and value < 1:
                 raise ValueError(f"{flag} must be >= 1 (or left out), got {value}.")
-        if self.warmup_epochs < 0:
-            raise ValueError(f"--warmup_epochs must be >= 0, got {self.warmup_epochs}.")
-        if self.data_dir is not None and not os.path.isdir(os.path.join(self.data_dir, "train")):
-            raise ValueError(f"--data_dir {self.data_dir} needs train/<class>/ and val/<class>/ folders.")
+        if self.freeze_step < 1:
+            raise ValueError(f"--freeze_step must be >= 1, got {self.freeze_step}.")
+        for flag, value, high in (
+            ("--warmup_epochs", self.warmup_epochs, math.inf),  # nan and inf used to train at lr 0 or without warm-up
+            ("--lr", self.lr, math.inf),
+            ("--weight_decay", self.weight_decay, math.inf),
+            ("--momentum", self.momentum, math.inf),
+            ("--beta", self.beta, 1.0),
+        ):
+            if not (math.isfinite(value) and 0 <= value < high):
+                where = "a finite number >= 0" if high == math.inf else f"in [0, {high:g})"
+                raise ValueError(f"{flag} must be {where}, got {value}.")
+        if self.data_dir is not None:
+            missing = [d for d in ("train", "val") if not os.path.isdir(os.path.join(self.data_dir, d))]
+            if missing:
+                raise ValueError(
+                    f"--data_dir {self.data_dir} has no {' or '.join(m + '/' for m in missing)} folder; it needs "
+                    "train/<class>/ and val/<class>/ folders (ImageNet's layout)."
+                )
 
 
 def build_dataloaders(args, accelerator):
@@ -112,7 +131,7 @@ def build_dataloaders(args, accelerator):
         data_dir = os.path.join(args.output_dir, "embedded_digits")
         with accelerator.main_process_first():
             write_digits_image_folder(data_dir, image_size=32)
-    size = args.image_size or (224 if args.data_dir else 32)
+    size = args.image_size if args.image_size is not None else (224 if args.data_dir else 32)
     train = ImageDataset(os.path.join(data_dir, "train"), transform=create_transform(size, is_training=True))
     val = ImageDataset(os.path.join(data_dir, "val"), transform=create_transform(size, is_training=False))
     loader = dict(batch_size=args.batch_size, num_workers=args.workers)

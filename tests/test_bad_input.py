@@ -23,6 +23,7 @@ from _dist import run_distributed
 
 from birder_hf import Birder, BirderHookState, OneBitAdam, Topology, onebit_all_reduce
 from birder_hf.checkpoint import load_rank_state, save_rank_state
+from birder_hf.preflight import PreflightError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -111,6 +112,33 @@ def _squad(env, text):
         f.write(text)
     env.snapshot_files_again = True
     return load_squad_json(path)
+
+
+def _recipe_args(name, *argv):
+    return _recipe(name).parse_args(list(argv))
+
+
+def _preflight(*argv):
+    from birder_hf import preflight
+
+    return preflight._config(preflight._parser().parse_args(list(argv)), {})
+
+
+def _resnet_data_dir(env, *folders):
+    root = os.path.join(env.dir, "images")
+    for folder in folders:
+        os.makedirs(os.path.join(root, folder, "class0"), exist_ok=True)
+    return _resnet_args("--data_dir", root)
+
+
+def _birder_trainer(env, **training):
+    pytest.importorskip("transformers")
+    from transformers import TrainingArguments
+
+    from birder_hf.integrations.transformers import BirderArguments, BirderTrainer
+
+    args = TrainingArguments(output_dir=os.path.join(env.dir, "out"), use_cpu=True, report_to=[], **training)
+    return BirderTrainer(model=env.model, args=args, birder_args=BirderArguments())
 
 
 def _with_state(env, edit):
@@ -351,6 +379,102 @@ ROWS = [
         ["rank=3", "[0, world_size)"],
         id="load-rank-past-world",
     ),
+    # issue 24: an optim the Trainer would have ignored
+    P(
+        lambda e: _birder_trainer(e, optim="adafactor"),
+        ValueError,
+        ["TrainingArguments.optim='adafactor'", "BirderTrainer trains with Birder", "Leave --optim at its default"],
+        id="trainer-optim-adafactor",
+    ),
+    P(
+        lambda e: _birder_trainer(e, optim="sgd"),
+        ValueError,
+        ["TrainingArguments.optim='sgd'", "would ignore it"],
+        id="trainer-optim-sgd",
+    ),
+    # issue 24: recipe and preflight flags checked at parse time, the flag named (they trained and failed before
+    # saving, were read as "no limit" or as the default, or were reported as a network failure)
+    P(
+        lambda e: _recipe_args("causal_lm", "--max_eval_blocks", "0"),
+        ValueError,
+        ["--max_eval_blocks must be >= 1", "got 0"],
+        id="causal-lm-max-eval-blocks-0",
+    ),
+    P(
+        lambda e: _recipe_args("causal_lm", "--max_files", "0"),
+        ValueError,
+        ["--max_files must be >= 1"],
+        id="causal-lm-max-files-0",
+    ),
+    P(
+        lambda e: _recipe_args("causal_lm", "--validation_percent", "0"),
+        ValueError,
+        ["--validation_percent must lie in 1..99"],
+        id="causal-lm-validation-percent-0",
+    ),
+    P(
+        lambda e: _recipe_args("bert_base", "--max_train_samples", "0"),
+        ValueError,
+        ["--max_train_samples must be >= 1", "got 0"],
+        id="bert-max-train-samples-0",
+    ),
+    P(
+        lambda e: _recipe_args("bert_base", "--max_eval_samples", "0"),
+        ValueError,
+        ["--max_eval_samples must be >= 1"],
+        id="bert-max-eval-samples-0",
+    ),
+    P(
+        lambda e: _recipe_args("bert_base", "--embedded_num_eval", "0"),
+        ValueError,
+        ["--embedded_num_eval must be >= 1"],
+        id="bert-embedded-num-eval-0",
+    ),
+    P(
+        lambda e: _resnet_args("--warmup_epochs", "nan"),
+        ValueError,
+        ["--warmup_epochs must be a finite number >= 0, got nan"],
+        id="resnet-warmup-nan",
+    ),
+    P(
+        lambda e: _resnet_args("--warmup_epochs", "inf"),
+        ValueError,
+        ["--warmup_epochs must be a finite number >= 0, got inf"],
+        id="resnet-warmup-inf",
+    ),
+    P(lambda e: _resnet_args("--image_size", "0"), ValueError, ["--image_size must be >= 1"], id="resnet-image-0"),
+    P(lambda e: _resnet_args("--lr", "nan"), ValueError, ["--lr must be a finite number >= 0"], id="resnet-lr-nan"),
+    P(lambda e: _resnet_args("--beta", "1.0"), ValueError, ["--beta must be in [0, 1)"], id="resnet-beta-1"),
+    P(
+        lambda e: _resnet_data_dir(e, "train"),
+        ValueError,
+        ["has no val/ folder", "train/<class>/ and val/<class>/"],
+        id="resnet-data-dir-without-val",
+    ),
+    P(
+        lambda e: _preflight("--nnodes", "0", "--num_processes", "2"),
+        PreflightError,
+        ["--nnodes 0 must be at least 1"],
+        id="preflight-nnodes-0",
+    ),
+    P(
+        lambda e: _preflight("--timeout", "nan"),
+        PreflightError,
+        ["--timeout nan must be a finite number > 0"],
+        id="preflight-timeout-nan",
+    ),
+    P(
+        lambda e: _preflight("--timeout", "inf"),
+        PreflightError,
+        ["--timeout inf must be a finite number > 0"],
+        id="preflight-timeout-inf",
+    ),
+    P(
+        lambda e: _preflight("--size_mb", "nan"),
+        PreflightError,
+        ["--size_mb nan must be a finite number > 0"],
+        id="preflight-size-mb-nan",
+    ),
 ]
 
 
@@ -410,6 +534,23 @@ def test_what_used_to_fail_now_works(tmp_path):
     assert int(env.opt.state[env.model.weight]["step"]) == 3
 
 
+def test_birder_trainer_leaves_the_callers_training_arguments_alone(tmp_path):
+    # issue 24: BirderTrainer set the caller's own max_grad_norm to 0, so a baseline Trainer reusing the object
+    # trained without clipping; now the Trainer works on a copy
+    transformers = pytest.importorskip("transformers")
+    from birder_hf.integrations.transformers import BirderTrainer
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_grad_norm=1.0)
+    before = copy.deepcopy(args.to_dict())
+    trainer = BirderTrainer(model=torch.nn.Linear(4, 3), args=args)
+    assert trainer.args.max_grad_norm == 0.0  # Birder's own Trainer does not clip d
+    assert args.max_grad_norm == 1.0 and args.to_dict() == before  # the caller's object is unchanged
+    baseline = transformers.Trainer(model=torch.nn.Linear(4, 3), args=args)
+    assert baseline.args.max_grad_norm == 1.0  # a baseline reusing it clips as asked
+    positional = BirderTrainer(torch.nn.Linear(4, 3), args)  # args given positionally: copied too
+    assert positional.args is not args and positional.args.max_grad_norm == 0.0 and args.max_grad_norm == 1.0
+
+
 def test_a_parameter_changed_after_its_state_was_made_fails_before_anything_is_written(tmp_path):
     env = Env(tmp_path)
     before = env.snapshot()
@@ -456,6 +597,37 @@ def _hook_with_lr(rank):
 def _bad_process_group_method(rank):
     with pytest.warns(FutureWarning):
         Birder([_param()], process_group=dist.group.WORLD, comm_method="bogus")
+
+
+def _ddp_hook_with_method(rank):
+    from birder_hf.hook import attach_ddp_hook
+
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+    attach_ddp_hook(model, Birder(model.parameters(), lr=0.1), method="Hierarchical" if rank == 0 else "hierarchical")
+
+
+def _accelerate_hook_with_method(rank):
+    from accelerate import Accelerator
+
+    from birder_hf.integrations.accelerate import register_birder_hook
+
+    acc = Accelerator(cpu=True)
+    assert acc.num_processes == 2, acc.num_processes
+    model = torch.nn.Linear(2, 2)
+    model, opt = acc.prepare(model, Birder(model.parameters(), lr=0.1))
+    register_birder_hook(acc, model, opt, method="hierarchical" if rank == 0 else "Hierarchical")
+
+
+def _hook_with_quantize(rank):
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+    BirderHookState(Birder(model.parameters(), lr=0.1, quantize=rank != 0))
+
+
+def _process_group_birder(rank, shape=(3,), **settings):
+    p = torch.nn.Parameter(torch.ones(shape))
+    opt = Birder([p], seed=0, process_group=dist.group.WORLD, **settings)
+    p.grad = torch.ones(shape)
+    opt.step()
 
 
 TWO_RANKS = [
@@ -522,6 +694,54 @@ TWO_RANKS = [
         ["DeviceMesh", "init_device_mesh"],
         id="from-device-mesh-none",
     ),
+    # issue 24: the optimizer-side all-reduce agrees on its settings as the hooks do (they used to drift apart), and
+    # a bad value on one rank stops every rank (the others used to wait until the process-group timeout)
+    P(
+        lambda r: _process_group_birder(r, lr=float("nan") if r == 0 else 0.1),
+        "ValueError",
+        ["rank 0: Invalid learning rate lr=nan", "finite float >= 0"],
+        id="process-group-lr-nan-on-one-rank",
+    ),
+    P(
+        lambda r: _process_group_birder(r, lr=0.1 * (r + 1)),
+        "ValueError",
+        ["Birder(process_group=...)", "param group 0 lr: rank 0 0.1, rank 1 0.2", "same parameters and settings"],
+        id="process-group-lr-differs",
+    ),
+    P(
+        lambda r: _process_group_birder(r, weight_decay=0.1 * r, beta=0.9 + 0.05 * r, maximize=r == 1),
+        "ValueError",
+        [
+            "weight_decay: rank 0 0.0, rank 1 0.1",
+            "beta: rank 0 0.9, rank 1 0.95",
+            "maximize: rank 0 False, rank 1 True",
+        ],
+        id="process-group-settings-differ",
+    ),
+    P(
+        lambda r: _process_group_birder(r, shape=(3,) if r == 0 else (4,)),
+        "ValueError",
+        ["parameters: rank 0 [(3,)], rank 1 [(4,)]"],
+        id="process-group-shapes-differ",
+    ),
+    P(
+        lambda r: Birder([_param()], lr=float("nan") if r else 0.1, topology=Topology.flat()),
+        "ValueError",
+        ["rank 1: Invalid learning rate lr=nan"],
+        id="topology-lr-nan-on-one-rank",
+    ),
+    P(
+        _ddp_hook_with_method,
+        "ValueError",
+        ["rank 0: unknown method 'Hierarchical'", "valid methods"],
+        id="attach-ddp-hook-method-on-one-rank",
+    ),
+    P(
+        _hook_with_quantize,
+        "ValueError",
+        ["rank 0: quantize=False is for one process only"],
+        id="hook-quantize-false-on-one-rank",
+    ),
 ]
 
 
@@ -535,6 +755,31 @@ def test_two_ranks_fail_together_within_seconds(fn, error, says):
         assert unchanged in (None, True)
         for needle in says:
             assert needle in message, f"{needle!r} not in {message!r}"
+
+
+def test_register_birder_hook_with_a_bad_method_on_one_rank_stops_every_rank():
+    # issue 24: launched as accelerate launches (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE set, so the Accelerator sees 2
+    # processes); rank 1's bad method used to leave rank 0 waiting in Topology.from_env's collective
+    results = run_distributed(_every_rank(_accelerate_hook_with_method), 2, local_world_size=2, timeout=60)
+    assert results[0][1] == results[1][1], results
+    for kind, message, seconds, _ in results:
+        assert kind == "ValueError" and seconds < 10, (kind, message, seconds)
+        assert "rank 1: unknown method 'Hierarchical'" in message and "valid methods" in message, message
+
+
+def _outside_the_group(rank, world):
+    sub = dist.new_group([0])  # rank 1 gets torch's non-member marker
+    try:
+        Birder([_param()], process_group=sub)
+        return None
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+
+
+def test_a_rank_outside_the_process_group_is_told_so():
+    inside, outside = run_distributed(_outside_the_group, 2, timeout=60)
+    assert inside is None  # rank 0 alone: nothing to agree with, nobody waits
+    assert outside[0] == "ValueError" and "not a member of process_group" in outside[1], outside
 
 
 def test_from_env_world_size_not_a_number():

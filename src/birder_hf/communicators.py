@@ -35,7 +35,7 @@ from .collectives import (
 )
 from .topology import Topology
 
-__all__ = ["HookState", "StepAllReduce", "agree"]
+__all__ = ["HookState", "StepAllReduce", "agree", "agree_setup", "setup_group", "communicator_settings"]
 
 
 def _nonfinite_flag(t: torch.Tensor) -> torch.Tensor:
@@ -50,6 +50,85 @@ def agree(flags: torch.Tensor, group) -> torch.Tensor:
     if group is not None:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     return flags
+
+
+# ------------------------------------------------------------------------------------------------ set-up
+# One agreement path for every communicator (the DDP hooks, the FSDP hook, the optimizer-side all-reduce): each rank
+# checks its own arguments, then the ranks exchange (one all-gather) their settings and any error they found, before
+# the first other collective of the set-up (building a topology's groups), and every rank judges the same table. So a
+# bad value on one rank stops every rank at once, with the same error, instead of leaving the others waiting in a
+# collective until the process-group timeout; and ranks set up differently fail instead of drifting apart.
+_SHARED_ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "RuntimeError": RuntimeError}
+
+
+def setup_group(topology=None, process_group=None, agree_group=None):
+    """The process group whose ranks agree on a communicator's set-up: ``agree_group``, else the topology's, else
+    ``process_group``, else the default group; ``None`` where there is none to ask (torch.distributed not
+    initialized, or an argument of the wrong kind: this rank then raises alone)."""
+    if agree_group is not None:
+        return agree_group
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if topology is not None:
+        return topology.world_group if isinstance(topology, Topology) and not topology.closed else None
+    if process_group is not None:
+        return process_group if isinstance(process_group, dist.ProcessGroup) else None
+    return dist.group.WORLD
+
+
+def communicator_settings(kind: str, optimizer, layout: tuple[int, int], **own) -> dict:
+    """What every rank's communicator must share: its kind and own settings, the node layout, and the optimizer's
+    parameter shapes and settings (but ``seed`` and ``foreach``, which change the result on no rank)."""
+    out = {"communicator": kind, **own, "layout": tuple(layout)}
+    out["parameters"] = [tuple(p.shape) for g in optimizer.param_groups for p in g["params"]]
+    for i, group in enumerate(optimizer.param_groups):
+        for key in optimizer.settings:
+            if key not in ("seed", "foreach"):
+                value = group[key]
+                out[f"param group {i} {key}"] = float(value) if isinstance(value, torch.Tensor) else value
+    return out
+
+
+def agree_setup(group, settings: dict | None, error: Exception | None = None, *, what: str, fix: str = "") -> None:
+    """Agree a communicator's set-up with every rank of ``group``; raise on every rank, or on none.
+
+    Collective (one ``all_gather_object``) over ``group``, which every member calls at the same point of its set-up,
+    with its ``settings`` (:func:`communicator_settings`) or the ``error`` its own checks raised. If a rank had an
+    error, every rank raises it (its type; ``"rank r: "`` before the message unless every rank had the same one); if
+    the settings differ, every rank raises the same ``ValueError`` naming them. ``group`` ``None`` or of one rank:
+    no exchange, just ``error`` (also where this rank is not a member of ``group``: nobody there waits for it).
+    """
+    if group is None or dist.get_rank(group) < 0 or dist.get_world_size(group) == 1:
+        if error is not None:
+            raise error
+        return
+    row = (None, None, settings) if error is None else (type(error).__name__, str(error), None)
+    table: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(table, row, group=group)
+    failed = [(r, kind, message) for r, (kind, message, _) in enumerate(table) if kind is not None]
+    if failed:
+        r, kind, message = failed[0]
+        if len(failed) < len(table) or any((k, m) != (kind, message) for _, k, m in failed):
+            message = f"rank {r}: {message}"
+        cls = _SHARED_ERRORS.get(kind)
+        if cls is None:
+            cls, message = RuntimeError, f"{kind}: {message}"
+        raise cls(message) from error
+    rows = [row[2] for row in table]
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    differ = [k for k in keys if any(row.get(k) != rows[0].get(k) for row in rows)]
+    if differ:
+        shown = "; ".join(
+            f"{k}: " + ", ".join(f"rank {r} {_shown(row.get(k))}" for r, row in enumerate(rows)) for k in differ[:4]
+        )
+        raise ValueError(
+            f"{what}: the ranks were set up differently ({shown}). {fix or 'Every rank must pass the same settings'}"
+            " (the replicas would drift apart, or the ranks' collectives would not match); nothing was set up."
+        )
+
+
+def _shown(value) -> str:
+    return value if isinstance(value, str) else repr(value)
 
 
 class Staged(NamedTuple):
@@ -127,25 +206,30 @@ class HookState(Communicator):
     )
 
     def __init__(self, optimizer, topology: Topology | None = None, *, check_finite: bool = True, agree_group=None):
-        name = type(self).__name__
-        if not isinstance(optimizer, self.optimizer_class):
-            raise TypeError(
-                f"{name} needs a birder_hf.{self.optimizer_class.__name__} optimizer, got {type(optimizer).__name__}."
-            )
-        if optimizer.communicator is not None:
-            raise ValueError(
-                f"This {type(optimizer).__name__} optimizer already has a hook state (the hook was registered before) "
-                f"or a communicator; register {self.hook_name} once per model and optimizer."
-            )
-        if topology is not None and not isinstance(topology, Topology):
-            raise TypeError(f"topology must be a birder_hf.Topology, got {type(topology).__name__}.")
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(f"{self.hook_name} needs torch.distributed to be initialized (init_process_group).")
+        self.check_finite = bool(check_finite)
+        # this rank's checks, then one exchange with the others before any other collective (agree_setup): a bad
+        # argument on one rank stops every rank, and ranks set up differently fail instead of drifting apart
+        error = settings = None
+        try:
+            self._check_setup(optimizer, topology)
+            if not dist.is_available() or not dist.is_initialized():
+                raise RuntimeError(f"{self.hook_name} needs torch.distributed to be initialized (init_process_group).")
+            nodes = (1, dist.get_world_size()) if topology is None else (topology.num_nodes, topology.local_world_size)
+            settings = self._settings(optimizer, nodes)
+        except Exception as exc:
+            error = exc
+        agree_setup(
+            setup_group(topology, agree_group=agree_group),
+            settings,
+            error,
+            what=type(self).__name__,
+            fix=f"Every rank must build its hook state with the same settings, and its "
+            f"{type(optimizer).__name__} with the same parameters and settings",
+        )
         self.topology = topology if topology is not None else Topology.flat()
         # the ranks that agree a step is finite: the topology's (DDP), or every rank of the mesh (FSDP, whose
         # topology spans only this rank's replicas)
         self.agree_group = self.topology.world_group if agree_group is None else agree_group
-        self.check_finite = bool(check_finite)
         self._pending: dict[torch.Tensor, Staged] = {}
         self._flags: list[torch.Tensor] = []
         # this backward's agreement, summed over the ranks after its last bucket: [non-finite, then with skip_unused:
@@ -155,7 +239,6 @@ class HookState(Communicator):
         self.stats, self.last_step_stats, self._step_stats = CommStats(), CommStats(), CommStats()
         self.steps_communicated = self.skipped_steps = 0
         self._used, self._watched, self._handles = set(), set(), []
-        self._agree_settings(optimizer)
         self.attach(optimizer)
         if self.skip_unused and self.check_finite:
             self._watch([p for g in optimizer.param_groups for p in g["params"]])
@@ -174,38 +257,27 @@ class HookState(Communicator):
         self._handles, self._watched = [], set()
         super().detach()
 
-    def _settings(self, optimizer) -> dict:
-        """What every rank's hook state must share: its own settings, the layout, the optimizer's settings."""
-        out = {"hook": type(self).__name__, "check_finite": self.check_finite}
-        out["layout"] = (self.topology.num_nodes, self.topology.local_world_size)
-        out["parameters"] = [tuple(p.shape) for g in optimizer.param_groups for p in g["params"]]
-        for i, group in enumerate(optimizer.param_groups):
-            for key in optimizer.settings:
-                if key not in ("seed", "foreach"):  # neither changes the result on any rank
-                    value = group[key]
-                    out[f"param group {i} {key}"] = float(value) if isinstance(value, torch.Tensor) else value
-        return out
-
-    def _agree_settings(self, optimizer) -> None:
-        # Collective: one all-gather when the hook state is built, so that ranks set up differently (a method, a
-        # learning rate, check_finite) fail here, together, instead of hanging or drifting apart during training.
-        topo = self.topology
-        if topo.world_size == 1:
-            return
-        mine = self._settings(optimizer)
-        table: list = [None] * topo.world_size
-        dist.all_gather_object(table, mine, group=topo.world_group)
-        keys = list(dict.fromkeys(k for row in table for k in row))
-        differ = [k for k in keys if any(row.get(k) != table[0].get(k) for row in table)]
-        if differ:
-            shown = "; ".join(
-                f"{k}: " + ", ".join(f"rank {r} {row.get(k)!r}" for r, row in enumerate(table)) for k in differ[:4]
+    def _check_setup(self, optimizer, topology) -> None:
+        """This rank's own checks of the set-up (before the ranks agree on it); subclasses add theirs."""
+        name = type(self).__name__
+        if not isinstance(optimizer, self.optimizer_class):
+            raise TypeError(
+                f"{name} needs a birder_hf.{self.optimizer_class.__name__} optimizer, got {type(optimizer).__name__}."
             )
+        if optimizer.communicator is not None:
             raise ValueError(
-                f"{type(self).__name__}: the ranks were set up differently ({shown}). Every rank must build its hook "
-                f"state with the same settings, and its {type(optimizer).__name__} with the same parameters and "
-                "settings (the replicas would drift apart, or the ranks' collectives would not match)."
+                f"This {type(optimizer).__name__} optimizer already has a hook state (the hook was registered before) "
+                f"or a communicator; register {self.hook_name} once per model and optimizer."
             )
+        if topology is not None and not isinstance(topology, Topology):
+            raise TypeError(f"topology must be a birder_hf.Topology, got {type(topology).__name__}.")
+        if topology is not None:
+            topology._check_open()
+
+    def _settings(self, optimizer, layout: tuple[int, int]) -> dict:
+        """What every rank's hook state must share (:func:`communicator_settings`): its own settings, the layout, the
+        optimizer's parameters and settings."""
+        return communicator_settings(type(self).__name__, optimizer, layout, check_finite=self.check_finite)
 
     def _abort_bucket(self, params: list[torch.Tensor]) -> None:
         """Forget what the current bucket staged (its hook failed): the next backward starts clean."""
@@ -483,6 +555,59 @@ class StepAllReduce(Communicator):
         self.topology, self.method, self.inter_method, self.chunk_numel = topology, method, inter_method, chunk_numel
         self.agree_group = topology.world_group if agree_group is None else agree_group
         self.stats = CommStats()
+
+    @staticmethod
+    def agree_on_setup(
+        optimizer,
+        *,
+        topology: Topology | None = None,
+        process_group=None,
+        method: str | None = None,
+        inter_method: str = DEFAULT_INTER_METHOD,
+        chunk_numel: int | None = None,
+        agree_group=None,
+        error: Exception | None = None,
+        what: str = "Birder(process_group=...)",
+    ) -> None:
+        """Agree, with every rank, on the settings of the ``StepAllReduce`` about to be built for ``optimizer``
+        (:func:`agree_setup`: the optimizer's parameters and settings, the layout and the all-reduce settings), or on
+        ``error``, this rank's own failure, which every rank then raises. Collective over ``agree_group``, else the
+        topology's group, else ``process_group``, else the default group; call it before building the topology (its
+        groups are collectives the other ranks would wait in)."""
+        method = DEFAULT_METHOD if method is None else method
+        settings = None
+        if error is None:
+            try:
+                check_settings(method, inter_method, chunk_numel)
+                if topology is not None:
+                    if not isinstance(topology, Topology):
+                        raise TypeError(f"topology must be a birder_hf.Topology, got {type(topology).__name__}.")
+                    topology._check_open()
+                    layout = (topology.num_nodes, topology.local_world_size)
+                else:
+                    if process_group is getattr(dist.GroupMember, "NON_GROUP_MEMBER", object()):
+                        raise ValueError(
+                            "This process is not a member of process_group (new_group() returned it the non-member "
+                            "marker): build the optimizer with process_group= only on the group's ranks."
+                        )
+                    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+                        raise TypeError(
+                            "process_group must be a torch.distributed ProcessGroup (e.g. dist.group.WORLD), got "
+                            f"{type(process_group).__name__}."
+                        )
+                    layout = (1, dist.get_world_size(process_group))
+                own = dict(method=method, inter_method=inter_method, chunk_numel=chunk_numel)
+                settings = communicator_settings("StepAllReduce", optimizer, layout, **own)
+            except Exception as exc:
+                error = exc
+        agree_setup(
+            setup_group(topology, process_group, agree_group),
+            settings,
+            error,
+            what=what,
+            fix=f"Every rank must build its {type(optimizer).__name__} with the same parameters and settings, and the "
+            "same process_group/topology and method",
+        )
 
     def amp_scaling(self) -> bool:
         # every rank must call step(): its all-reduce agrees on skipping; u = m / b does not depend on the scale

@@ -422,6 +422,15 @@ def register_birder_fsdp(
     topology = Topology.from_replicate_dim(mesh)
     everyone = dist.new_group(list(range(dist.get_world_size())))
     if not in_backward:
+        StepAllReduce.agree_on_setup(  # the settings every rank's communicator shares, as the hook states agree on
+            opt,
+            topology=topology,
+            method=method,
+            inter_method=inter_method,
+            chunk_numel=chunk_numel,
+            agree_group=everyone,
+            what="register_birder_fsdp",
+        )
         communicator = StepAllReduce(
             topology=topology, method=method, inter_method=inter_method, chunk_numel=chunk_numel, agree_group=everyone
         )

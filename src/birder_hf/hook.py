@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from .base import Update, unwrap_optimizer
 from .collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, check_settings, onebit_all_reduce, then
-from .communicators import HookState, _is_dense
+from .communicators import HookState, _is_dense, agree_setup, setup_group
 from .onebit_adam import OneBitAdam, OneBitAdamHookState, onebit_adam_hook
 from .optim import Birder, EncodeOut, StateBuffers
 from .topology import Topology
@@ -85,16 +85,19 @@ class BirderHookState(HookState):
         check_finite: bool = True,
         agree_group=None,
     ):
-        check_settings(method, inter_method, chunk_numel)
-        if isinstance(optimizer, Birder) and not all(g["quantize"] for g in optimizer.param_groups):
-            raise ValueError("quantize=False is for one process only; the 1-bit hook always sends 1 bit.")
         self.method, self.inter_method, self.chunk_numel = method, inter_method, chunk_numel
         self._scratch: dict[torch.Tensor, StateBuffers] = {}  # param -> the buffers its next step writes into
         super().__init__(optimizer, topology, check_finite=check_finite, agree_group=agree_group)
 
-    def _settings(self, optimizer) -> dict:
+    def _check_setup(self, optimizer, topology) -> None:
+        check_settings(self.method, self.inter_method, self.chunk_numel)
+        super()._check_setup(optimizer, topology)
+        if not all(g["quantize"] for g in optimizer.param_groups):
+            raise ValueError("quantize=False is for one process only; the 1-bit hook always sends 1 bit.")
+
+    def _settings(self, optimizer, layout) -> dict:
         return {
-            **super()._settings(optimizer),
+            **super()._settings(optimizer, layout),
             "method": self.method,
             "inter_method": self.inter_method,
             "chunk_numel": self.chunk_numel,
@@ -251,18 +254,24 @@ def attach_ddp_hook(
     ``model`` may be ``torch.compile``-d; ``optimizer`` may be wrapped (accelerate, Lightning). If DDP refuses
     the hook (one is registered already), the optimizer is left as it was.
     """
-    check_settings(method, inter_method, chunk_numel)
-    ddp = unwrap_ddp(model)
-    opt = unwrap_optimizer(optimizer)
+    try:  # this rank's checks; a failure stops every rank together (agree_setup), as the hook states' own checks do
+        check_settings(method, inter_method, chunk_numel)
+        ddp = unwrap_ddp(model)
+        opt = unwrap_optimizer(optimizer)
+        if not isinstance(opt, (Birder, OneBitAdam)):
+            raise TypeError(
+                f"The 1-bit hook needs a birder_hf.Birder or OneBitAdam optimizer, got {type(opt).__name__}."
+            )
+    except Exception as exc:
+        agree_setup(setup_group(topology), None, exc, what="attach_ddp_hook")
+        raise  # not reached: agree_setup raises
     if isinstance(opt, OneBitAdam):
         state, hook = OneBitAdamHookState(opt, topology=topology, check_finite=check_finite), onebit_adam_hook
-    elif isinstance(opt, Birder):
+    else:
         state = BirderHookState(
             opt, topology, method, inter_method=inter_method, chunk_numel=chunk_numel, check_finite=check_finite
         )
         hook = birder_hook
-    else:
-        raise TypeError(f"The 1-bit hook needs a birder_hf.Birder or OneBitAdam optimizer, got {type(opt).__name__}.")
     try:
         ddp.register_comm_hook(state, hook)
     except BaseException:

@@ -361,13 +361,16 @@ class OneBitAdamHookState(HookState):
     __slots__ = ("warmup_steps", "compressed_steps")
 
     def __init__(self, optimizer: OneBitAdam, topology: Topology | None = None, *, check_finite: bool = True):
-        if isinstance(optimizer, OneBitAdam) and len({g["freeze_step"] for g in optimizer.param_groups}) > 1:
+        self.warmup_steps = self.compressed_steps = 0
+        super().__init__(optimizer, topology, check_finite=check_finite)
+
+    def _check_setup(self, optimizer, topology) -> None:
+        super()._check_setup(optimizer, topology)
+        if len({g["freeze_step"] for g in optimizer.param_groups}) > 1:
             raise ValueError(
                 "All param groups must share one freeze_step under onebit_adam_hook: a DDP bucket is either "
                 "averaged in full precision or compressed."
             )
-        self.warmup_steps = self.compressed_steps = 0
-        super().__init__(optimizer, topology, check_finite=check_finite)
 
     @property
     def description(self) -> str:

@@ -155,40 +155,52 @@ class Birder(OneBitOptimizer):
         method: str | None = None,
         comm_method: str | None = None,
     ):
-        if differentiable is not False:
-            raise ValueError(
-                f"Invalid differentiable={differentiable!r}: Birder does not support differentiable=True (its step "
-                "draws random signs, which have no useful derivative); leave it False."
-            )
-        if process_group is not None and topology is not None:
-            raise ValueError("Pass process_group= or topology=, not both.")
         if comm_method is not None:
             warnings.warn("Birder(comm_method=...) is renamed method=...", FutureWarning, stacklevel=2)
             method = comm_method if method is None else method
-        if seed is None:
-            seed = int(torch.randint(0, 2**31 - 1, ()).item())
-        defaults = dict(
-            lr=lr,
-            beta=beta,
-            weight_decay=weight_decay,
-            quantize=quantize,
-            amsgrad=amsgrad,
-            seed=int(seed) if is_integer(seed) else seed,  # a numpy int becomes a Python int (weights_only loads)
-            foreach=foreach,
-            maximize=maximize,
-        )
-        super().__init__(params, defaults)  # validates every setting and parameter
-        if topology is not None or process_group is not None:
-            if not quantize:
+        distributed = topology is not None or process_group is not None
+        error = None
+        try:
+            if differentiable is not False:
+                raise ValueError(
+                    f"Invalid differentiable={differentiable!r}: Birder does not support differentiable=True (its "
+                    "step draws random signs, which have no useful derivative); leave it False."
+                )
+            if process_group is not None and topology is not None:
+                raise ValueError("Pass process_group= or topology=, not both.")
+            if seed is None:
+                seed = int(torch.randint(0, 2**31 - 1, ()).item())
+            defaults = dict(
+                lr=lr,
+                beta=beta,
+                weight_decay=weight_decay,
+                quantize=quantize,
+                amsgrad=amsgrad,
+                seed=int(seed) if is_integer(seed) else seed,  # a numpy int becomes a Python int (weights_only loads)
+                foreach=foreach,
+                maximize=maximize,
+            )
+            super().__init__(params, defaults)  # validates every setting and parameter
+            if distributed and not quantize:
                 raise ValueError("quantize=False sends full-precision u and is for one process only; drop it.")
+            if not distributed and method is not None:
+                raise ValueError(
+                    "method= chooses the optimizer-side 1-bit all-reduce: pass process_group= or topology= with it "
+                    "(with the DDP hook, give method= to BirderHookState instead)."
+                )
+        except Exception as exc:
+            if not distributed:
+                raise
+            error = exc
+        if distributed:
             from .communicators import StepAllReduce  # the only way this module reaches torch.distributed
 
-            StepAllReduce(topology=topology, process_group=process_group, method=method).attach(self)
-        elif method is not None:
-            raise ValueError(
-                "method= chooses the optimizer-side 1-bit all-reduce: pass process_group= or topology= with it (with "
-                "the DDP hook, give method= to BirderHookState instead)."
+            # every rank of the group learns of this rank's error, or of settings that differ between the ranks,
+            # and raises it too (none is left waiting in a collective), before the topology's groups are built
+            StepAllReduce.agree_on_setup(
+                self, topology=topology, process_group=process_group, method=method, error=error
             )
+            StepAllReduce(topology=topology, process_group=process_group, method=method).attach(self)
 
     @property
     def seed(self) -> int:

@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import socket
 import subprocess
@@ -189,6 +190,10 @@ def _config(args: argparse.Namespace, env) -> Config:
     if nnodes is None and world_env and lws_env:
         nnodes = world_env // lws_env
     nnodes = int(_first(nnodes, 1))
+    if nnodes < 1:  # before it divides anything
+        raise PreflightError("arguments", f"--nnodes {nnodes} must be at least 1")
+    if total is not None and int(total) < 1:
+        raise PreflightError("arguments", f"--num_processes {total} must be at least 1")
     if total is not None and (int(total) < nnodes or int(total) % nnodes):
         raise PreflightError("arguments", f"num_processes={total} is not a multiple of {nnodes} nodes")
     nproc = _first(args.nproc_per_node, None if total is None else int(total) // nnodes, lws_env)
@@ -196,8 +201,6 @@ def _config(args: argparse.Namespace, env) -> Config:
     node_rank = _first(node_rank, *(_env_int(env, n) for n in ("NODE_RANK", "GROUP_RANK", "SLURM_NODEID")))
     master_addr = _first(args.master_addr, acc.get("main_process_ip"), env.get("MASTER_ADDR"))
     master_port = int(_first(args.master_port, acc.get("main_process_port"), _env_int(env, "MASTER_PORT"), 29500))
-    if nnodes < 1:
-        raise PreflightError("arguments", f"--nnodes {nnodes} must be at least 1")
     if node_rank is None:
         if nnodes > 1:
             raise PreflightError("arguments", f"--node_rank is required with {nnodes} nodes (0 on the master node)")
@@ -216,8 +219,8 @@ def _config(args: argparse.Namespace, env) -> Config:
         raise PreflightError("arguments", f"--nproc_per_node {nproc} must be at least 1")
     positive = {"size_mb": args.size_mb, "timeout": args.timeout, "iters": args.iters, "params": args.params}
     for name, value in {**positive, "onebit_numel": args.onebit_numel}.items():
-        if value <= 0:
-            raise PreflightError("arguments", f"--{name} {value} must be positive")
+        if not (math.isfinite(value) and value > 0):  # nan and inf too: a wait of nan seconds bounds nothing
+            raise PreflightError("arguments", f"--{name} {value} must be a finite number > 0")
     cfg = Config(
         nnodes=nnodes,
         node_rank=int(node_rank),

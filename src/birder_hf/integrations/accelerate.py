@@ -42,6 +42,7 @@ import os
 from ..base import OneBitOptimizer, unwrap_optimizer
 from ..checkpoint import read_own_rank_state, save_rank_state
 from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, check_settings
+from ..communicators import agree_setup, setup_group
 from ..fsdp import register_birder_fsdp
 from ..hook import attach_ddp_hook
 from ..onebit_adam import OneBitAdam
@@ -89,25 +90,32 @@ def register_birder_hook(accelerator, model, optimizer, *, topology: Topology | 
     state (``birder_hf.checkpoint``).
     """
     inner = unwrap_optimizer(optimizer)
-    if not isinstance(inner, OneBitOptimizer):
-        raise TypeError(
-            f"register_birder_hook needs a birder_hf.Birder (or OneBitAdam) optimizer, got {type(inner).__name__}."
-        )
-    _check_options(**options)
-    check_really_distributed(accelerator.num_processes)
-    handler = getattr(accelerator, "ddp_handler", None)
-    builtin = getattr(handler, "comm_hook", None)
-    if builtin is not None and str(getattr(builtin, "value", builtin)).lower() not in ("no", "none"):
-        raise ValueError(
-            f"DistributedDataParallelKwargs(comm_hook={builtin}) already asks for a built-in hook; DDP allows one "
-            "hook per model. Drop comm_hook from the kwargs handler to use Birder's 1-bit hook."
-        )
-    if isinstance(inner, OneBitAdam) and getattr(accelerator, "scaler", None) is not None:
-        raise ValueError(
-            "1-bit Adam cannot train with fp16 loss scaling (accelerate's GradScaler): its hook encodes the scaled "
-            "gradients, and Adam's step depends on their scale. Use mixed_precision='bf16' (Birder itself trains "
-            "with fp16)."
-        )
+    error = None
+    try:
+        if not isinstance(inner, OneBitOptimizer):
+            raise TypeError(
+                f"register_birder_hook needs a birder_hf.Birder (or OneBitAdam) optimizer, got {type(inner).__name__}."
+            )
+        _check_options(**options)
+        check_really_distributed(accelerator.num_processes)
+        handler = getattr(accelerator, "ddp_handler", None)
+        builtin = getattr(handler, "comm_hook", None)
+        if builtin is not None and str(getattr(builtin, "value", builtin)).lower() not in ("no", "none"):
+            raise ValueError(
+                f"DistributedDataParallelKwargs(comm_hook={builtin}) already asks for a built-in hook; DDP allows "
+                "one hook per model. Drop comm_hook from the kwargs handler to use Birder's 1-bit hook."
+            )
+        if isinstance(inner, OneBitAdam) and getattr(accelerator, "scaler", None) is not None:
+            raise ValueError(
+                "1-bit Adam cannot train with fp16 loss scaling (accelerate's GradScaler): its hook encodes the "
+                "scaled gradients, and Adam's step depends on their scale. Use mixed_precision='bf16' (Birder itself "
+                "trains with fp16)."
+            )
+    except Exception as exc:
+        error = exc
+    # a bad argument on one rank stops every rank here, before Topology.from_env and the hook's own collectives
+    # (the others would wait in them until the process-group timeout); one small all-gather at set-up
+    agree_setup(setup_group(topology), {} if error is None else None, error, what="register_birder_hook")
     if accelerator.num_processes == 1:
         _register_checkpoint_hooks(accelerator, inner)
         logger.info("%s: single process, no gradient communication to compress.", type(inner).__name__)

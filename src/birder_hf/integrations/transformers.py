@@ -21,7 +21,9 @@ What it changes, on purpose:
 - ``max_grad_norm``: the Trainer would clip ``.grad`` after backward, which with the hook holds the
   direction ``d`` in ``[-1, 1]`` (each step moves a coordinate by at most ``lr * (1 + weight_decay * |x|)``, by
   construction); clipping it is meaningless, so a positive ``max_grad_norm`` (default 1.0) is set to 0 with a
-  warning.
+  warning, in the Trainer's own copy of the ``TrainingArguments`` (the caller's object is left as it was).
+- ``optim``: an ``optim`` other than the default would be ignored (BirderTrainer builds Birder or 1-bit Adam), so it
+  is refused at construction.
 - ``grad_norm`` is not logged: the Trainer would log the norm of ``.grad``, which holds ``d`` after the hook, and with
   fp16 it would un-scale ``.grad`` to compute it.
 - a step Birder skipped (a rank had a non-finite gradient) is reported to the Trainer as skipped, as a ``GradScaler``
@@ -42,6 +44,7 @@ all-reduce across nodes) for any other optimizer: the uncompressed baseline.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import warnings
@@ -352,9 +355,16 @@ class BirderTrainerMixin(ShardedTrainerMixin):
         birder_args = birder_args if birder_args is not None else BirderArguments()
         if birder_args.optimizer not in OPTIMIZERS:
             raise ValueError(f"BirderArguments.optimizer={birder_args.optimizer!r}; choose birder or onebitadam.")
-        _check_supported_setup(
-            kwargs["args"] if "args" in kwargs else (args[1] if len(args) > 1 else None), birder_args
-        )
+        training_args = kwargs["args"] if "args" in kwargs else (args[1] if len(args) > 1 else None)
+        _check_supported_setup(training_args, birder_args)
+        if training_args is not None:
+            # a copy: max_grad_norm is set to 0 below, and the Trainer changes its args too (hyperparameter search);
+            # the caller's object, which a baseline Trainer may reuse, stays as it was
+            training_args = copy.copy(training_args)
+            if "args" in kwargs:
+                kwargs["args"] = training_args
+            else:
+                args = (*args[:1], training_args, *args[2:])
         super().__init__(*args, **kwargs)
         self.birder_args = birder_args
         self.birder_hook_state: HookState | None = None
@@ -472,6 +482,16 @@ def _check_supported_setup(args, b: BirderArguments, trainer=None) -> None:
     ``trainer``: once built, for what accelerate's config enabled)."""
     if args is None:
         return
+    optim = getattr(args.optim, "value", args.optim)
+    default = getattr(type(args), "__dataclass_fields__", {}).get("optim")
+    default = getattr(default, "default", optim)
+    if optim != getattr(default, "value", default):
+        name = "OneBitAdam" if b.optimizer == "onebitadam" else "Birder"
+        raise ValueError(
+            f"TrainingArguments.optim={optim!r} asks the Trainer for another optimizer, but BirderTrainer trains with "
+            f"{name} (BirderArguments.optimizer={b.optimizer!r}) and would ignore it. Leave --optim at its default "
+            f"({getattr(default, 'value', default)!r}), or train with {optim} through transformers.Trainer."
+        )
     if args.fp16 and b.optimizer == "onebitadam":
         raise ValueError(
             "1-bit Adam cannot train with fp16 loss scaling: its hook encodes the scaled gradients, and Adam's step "
