@@ -360,14 +360,16 @@ class OneBitAdamHookState(HookState):
 
     __slots__ = ("warmup_steps", "compressed_steps")
 
-    def __init__(self, optimizer: OneBitAdam, topology: Topology | None = None, *, check_finite: bool = True):
+    def __init__(
+        self, optimizer: OneBitAdam, topology: Topology | None = None, *, check_finite: bool = True, grad_scaler=None
+    ):
         if isinstance(optimizer, OneBitAdam) and len({g["freeze_step"] for g in optimizer.param_groups}) > 1:
             raise ValueError(
                 "All param groups must share one freeze_step under onebit_adam_hook: a DDP bucket is either "
                 "averaged in full precision or compressed."
             )
         self.warmup_steps = self.compressed_steps = 0
-        super().__init__(optimizer, topology, check_finite=check_finite)
+        super().__init__(optimizer, topology, check_finite=check_finite, grad_scaler=grad_scaler)
 
     @property
     def description(self) -> str:
