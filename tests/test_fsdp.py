@@ -395,3 +395,85 @@ def test_accelerate_loop_with_a_model_sharded_on_the_node(tmp_path):
     for kind, full, ref in res:
         assert kind == "FSDPHookState" and _equal(full, ref)
     assert sorted(os.listdir(os.path.join(ckpt, "birder"))) == [f"rank_0000{r}-of-00004.pt" for r in range(4)]
+
+
+# ------------------------------------------------------------------------------------ a parameter no rank used
+# step -> the ranks whose forward uses the side layer (a node's ranks run the same FSDP units: FSDP all-gathers a unit's
+# parameters inside the node)
+SIDE_USERS = {0: (0, 1, 2, 3), 1: (0, 1, 2, 3), 3: (0, 1)}
+
+
+class _Branchy(torch.nn.Module):
+    """``_model()`` plus a ``side`` layer that only some steps (and ranks) use: a branch not taken."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = _model()
+        self.side = torch.nn.Linear(12, 1)
+
+    def forward(self, x, use_side):
+        out = self.body(x)
+        return out + self.side(x) if use_side else out
+
+
+def _branchy_loss(model, rank, t):
+    x, y = _batch(rank, t)
+    return (model(x, rank in SIDE_USERS.get(t, ())) - y).pow(2).mean()
+
+
+def _branchy_hsdp(rank, mesh, steps, *, in_backward, unused_params=False):
+    model = _Branchy()
+    for i in LAYERS:
+        fully_shard(model.body[i], mesh=mesh["shard"])
+    fully_shard(model.side, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    if unused_params:  # what a user sets so that ranks using different layers reduce the same layout
+        for m in (model.body[0], model.body[2], model.body[4], model.side, model):
+            m.set_reduce_scatter_unused_params(True, recurse=False)
+    opt = _optimizer(model.parameters())
+    register_birder_fsdp(model, opt, mesh, in_backward=in_backward)
+    for t in range(steps):
+        _branchy_loss(model, rank, t).backward()
+        opt.step()
+        opt.zero_grad()
+    side_steps = [int(opt.state[p]["step"]) for p in model.side.parameters()]
+    return _full(model), side_steps
+
+
+def _branchy_reference(rank, mesh, steps):
+    # unsharded; a rank that did not use the side layer adds zeros to its node's average when some rank used it
+    # (what FSDP's reduce-scatter of zeros does), and nobody has a gradient for it when no rank used it
+    model = _Branchy()
+    opt = _optimizer(model.parameters(), topology=Topology.from_replicate_dim(mesh), method="hierarchical")
+    node = mesh["shard"].get_group()
+    for t in range(steps):
+        _branchy_loss(model, rank, t).backward()
+        for p in model.parameters():
+            if p.grad is None and t in SIDE_USERS:
+                p.grad = torch.zeros_like(p)
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=node)
+                p.grad.div_(mesh.size(1))
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_parameter_no_rank_used_is_not_stepped_on_either_fsdp_path():
+    # The side layer: used by every rank on steps 0-1, by node 0 only on step 3, by no rank on steps 2, 4, 5. Before
+    # the fix the hook path (FSDP hands it zeros) and the step() path with set_reduce_scatter_unused_params moved it
+    # by lr * u on every step no rank used it (m and b decay together, u stays), unlike DDP and the reference.
+    def fn(rank, world):
+        mesh = _mesh()
+        return (
+            _branchy_reference(rank, mesh, 6),
+            _branchy_hsdp(rank, mesh, 6, in_backward=True),
+            _branchy_hsdp(rank, mesh, 6, in_backward=False, unused_params=True),
+        )
+
+    res = run_distributed(fn, 4, timeout=240)
+    for ref, (hooked, hook_side_steps), (stepped, step_side_steps) in res:
+        assert _equal(stepped, ref)  # the step() path, FSDP handing over zeros (set_reduce_scatter_unused_params)
+        assert _equal(hooked, ref)  # the hook path (it sets set_reduce_scatter_unused_params)
+        assert hook_side_steps == step_side_steps == [3, 3]  # steps 0, 1 and 3: m, b untouched on the others
+    assert _equal(res[0][1][0], res[3][1][0])

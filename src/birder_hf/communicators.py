@@ -680,6 +680,7 @@ class StepAllReduce(Communicator):
         if not batch:
             return []
         ordered = [p for _, ps in batch for p in ps]
+        dev = ordered[0].device
         # before any state changes: the parameters still match their state, and every rank makes the same call
         # (one all-gather the first time this set of parameters is used; a cache lookup afterwards)
         opt.check_state_matches(ordered)
