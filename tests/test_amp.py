@@ -16,6 +16,7 @@ too-large initial scale: afterwards the scale stays constant, and the run withou
 """
 
 import torch
+import torch.distributed as dist
 from _dist import run_distributed
 
 from birder_hf import Birder
@@ -128,6 +129,45 @@ def _assert_same_state(scaled, plain):
     # the hook divides the loss scale out (exact: a power of two): m and b are the unscaled run's, bit for bit
     for a, b in zip(scaled, plain):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _optimizer_side_run(rank, world, scaled, steps=8, overflow_at=2):
+    # Birder(process_group=...): no DDP, each rank steps on its own gradient; the 1-bit all-reduce runs in step()
+    import warnings
+
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=True)
+    if scaled:
+        acc.scaler = torch.amp.GradScaler("cpu", init_scale=SCALE, growth_interval=2)
+    model = Net(overflow=True, overflow_at=overflow_at)
+    inner = Birder(model.parameters(), lr=0.01, beta=0.9, weight_decay=0.1, seed=3, process_group=dist.group.WORLD)
+    opt = acc.prepare(inner)
+    record = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "a rank had a non-finite gradient"
+        for t in range(steps):
+            x, y = _batch(rank, t)
+            acc.backward(model(x, y)["loss"])
+            opt.step()
+            record.append((opt.step_was_skipped, inner.step_was_skipped, acc.scaler.get_scale() if scaled else None))
+            opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()], _state(inner), record
+
+
+def test_fp16_with_the_optimizer_side_all_reduce_backs_off_every_rank_and_equals_the_unscaled_run():
+    # Before the fix an overflow on rank 1 backed off rank 1's scaler only ([4096, 2048] from then on), accelerate's
+    # step_was_skipped stayed False, and m, b mixed the gradients of two scales after a scale change.
+    scaled = run_distributed(_optimizer_side_run, 2, True, timeout=240, local_world_size=2)
+    plain = run_distributed(_optimizer_side_run, 2, False, timeout=240, local_world_size=2)
+    skips = [False, False, True, False, False, False, False, False]
+    for (params, state, record), (plain_params, plain_state, plain_record) in zip(scaled, plain):
+        assert [r[0] for r in record] == skips  # AcceleratedOptimizer.step_was_skipped
+        assert [r[1] for r in record] == [r[1] for r in plain_record] == skips  # Birder's
+        assert [r[2] for r in record] == [SCALE, 2 * SCALE, SCALE, SCALE, 2 * SCALE, 2 * SCALE, 4 * SCALE, 4 * SCALE]
+        assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
+        _assert_same_state(state, plain_state)
+    assert all(torch.equal(a, b) for a, b in zip(scaled[0][0], scaled[1][0]))
 
 
 # --------------------------------------------------------------------------------------------------- Trainer

@@ -477,3 +477,62 @@ def test_a_parameter_no_rank_used_is_not_stepped_on_either_fsdp_path():
         assert _equal(hooked, ref)  # the hook path (it sets set_reduce_scatter_unused_params)
         assert hook_side_steps == step_side_steps == [3, 3]  # steps 0, 1 and 3: m, b untouched on the others
     assert _equal(res[0][1][0], res[3][1][0])
+
+
+# ------------------------------------------------------------------------------------------- fp16 loss scaling
+def _hsdp_fp16(rank, mesh, steps, *, in_backward, scaled, overflow_at=2):
+    from accelerate import Accelerator
+
+    from birder_hf.integrations.accelerate import register_birder_hook
+
+    acc = Accelerator(cpu=True)
+    if scaled:  # what accelerate builds for mixed_precision="fp16" on an accelerator; grows every 2 clean steps
+        acc.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=2)
+    model = _sharded(mesh["shard"])
+    opt = acc.prepare(_optimizer(model.parameters()))
+    if in_backward:
+        register_birder_hook(acc, model, opt, mesh=mesh)  # hands the hook accelerate's scaler
+    else:
+        register_birder_fsdp(model, opt, mesh, in_backward=False)
+    record = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "a rank had a non-finite gradient"
+        for t in range(steps):
+            loss = _loss(model, rank, t)
+            if t == overflow_at and rank == 3:  # node 1's reduce-scatter spreads it to rank 2; node 0 stays finite
+                loss = loss * float("inf")
+            acc.backward(loss)
+            opt.step()
+            scale = acc.scaler.get_scale() if scaled else None
+            record.append((opt.step_was_skipped, opt.optimizer.step_was_skipped, scale))
+            opt.zero_grad()
+    state = [{k: opt.optimizer.state[p][k].clone() for k in ("exp_avg", "exp_avg_abs")} for p in model.parameters()]
+    return _full(model), record, state
+
+
+def test_fp16_overflow_on_one_rank_backs_off_every_rank_on_both_fsdp_paths():
+    # Before the fix an inf on rank 3 backed off only node 1's scalers ([4096, 4096, 2048, 2048]), accelerate's
+    # step_was_skipped stayed False on every rank (the scheduler advanced on a skipped step), and m, b mixed
+    # gradients of two scales after a scale change.
+    def fn(rank, world):
+        mesh = _mesh()
+        return {
+            (path, scaled): _hsdp_fp16(rank, mesh, 6, in_backward=path == "hook", scaled=scaled)
+            for path in ("hook", "step") for scaled in (True, False)
+        }
+
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
+    res = run_distributed(fn, 4, local_world_size=2, env=env, timeout=300)
+    skips = [False, False, True, False, False, False]
+    for runs in res:
+        for path in ("hook", "step"):
+            full, record, state = runs[(path, True)]
+            plain, plain_record, plain_state = runs[(path, False)]
+            assert [r[0] for r in record] == skips, path  # AcceleratedOptimizer.step_was_skipped
+            assert [r[1] for r in record] == [r[1] for r in plain_record] == skips, path  # Birder's
+            s = 2.0**12  # grown after steps 1 and 4 (2 clean steps each), halved by the overflow: on every rank
+            assert [r[2] for r in record] == [s, 2 * s, s, s, 2 * s, 2 * s], path
+            assert _equal(full, plain), path  # the scaled run is the unscaled one, bit for bit
+            assert all(_equal(list(a.values()), list(b.values())) for a, b in zip(state, plain_state)), path
+        assert _equal(runs[("hook", True)][0], runs[("step", True)][0])
+    assert all(_equal(r[("hook", True)][0], res[0][("hook", True)][0]) for r in res)
