@@ -266,6 +266,29 @@ def _refusals(rank, world):
         errors["unscaled"] = str(exc)
     unchanged = all(st["step"] == 0 for st in opt.state.values())
 
+    # a hook not given the scaler encoded this backward at scale 1, the scaler stepped at 4096: refused, nothing applied
+    model = torch.nn.parallel.DistributedDataParallel(Net())
+    opt = Birder(model.parameters(), lr=0.01, seed=0)
+    attach_ddp_hook(model, opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    scaler.scale(model(x, y)["loss"]).backward()
+    try:
+        scaler.step(opt)
+    except RuntimeError as exc:
+        errors["no_scaler"] = str(exc)
+    unchanged = (
+        unchanged
+        and all(st["step"] == 0 for st in opt.state.values())
+        and all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    )
+    model = torch.nn.parallel.DistributedDataParallel(Net())
+    opt = Birder(model.parameters(), lr=0.01, seed=0)
+    try:
+        attach_ddp_hook(model, opt, grad_scaler=SCALE)
+    except TypeError as exc:
+        errors["not_a_scaler"] = str(exc)
+
     # 1-bit Adam's step depends on the gradient's scale: refused in step() and at registration
     model = torch.nn.parallel.DistributedDataParallel(Net())
     opt = OneBitAdam(model.parameters(), lr=0.01, freeze_step=2)
@@ -276,6 +299,12 @@ def _refusals(rank, world):
         scaler.step(opt)
     except RuntimeError as exc:
         errors["onebitadam_step"] = str(exc)
+    model = torch.nn.parallel.DistributedDataParallel(Net())
+    opt = OneBitAdam(model.parameters(), lr=0.01, freeze_step=2)
+    try:
+        attach_ddp_hook(model, opt, grad_scaler=torch.amp.GradScaler("cpu"))
+    except ValueError as exc:
+        errors["onebitadam_hook"] = str(exc)
     acc = Accelerator(cpu=True)
     acc.scaler = torch.amp.GradScaler("cpu")
     model = Net()
@@ -294,3 +323,7 @@ def test_fp16_refusals():
             "cannot train with fp16 loss scaling" in errors["onebitadam_step"] and "bf16" in errors["onebitadam_step"]
         )
         assert "mixed_precision='bf16'" in errors["onebitadam_accelerate"]
+        assert "at loss scale 1" in errors["no_scaler"] and "scaled the loss by 4096" in errors["no_scaler"]
+        assert "grad_scaler=" in errors["no_scaler"] and "Nothing was applied" in errors["no_scaler"]
+        assert "grad_scaler must be the torch.amp.GradScaler" in errors["not_a_scaler"]
+        assert "cannot train with fp16 loss scaling" in errors["onebitadam_hook"]
