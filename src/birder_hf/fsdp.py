@@ -283,6 +283,7 @@ def _watch_units(units: list[FSDPUnit], marks: UsageMarks) -> None:
     # FSDP creates a unit's unsharded parameters at its first all-gather (in its forward pre-hook, registered first):
     # from this forward pre-hook on, autograd's accumulation into one marks the sharded parameter used this step
     def watcher(unit: FSDPUnit):
+        @torch.compiler.disable  # registers hooks (a side effect), once per parameter: never traced
         def pre_forward(module, args):
             for fp in unit.params:
                 p = fp.sharded_param
