@@ -116,7 +116,8 @@ def test_fp16_scale_changes_leave_the_run_equal_to_the_unscaled_one_and_every_sk
     plain = run_distributed(_accelerate_run, 2, False, *args.values(), timeout=240, local_world_size=2)
     skips = [False, False, True, False, False, False, False, False]
     for s, p in zip(scaled, plain):
-        assert s["skipped_steps"] == p["skipped_steps"] == 1 and s["first_step_unchanged"] and p["first_step_unchanged"]
+        assert s["skipped_steps"] == p["skipped_steps"] == 1
+        assert s["first_step_unchanged"] and p["first_step_unchanged"]
         assert s["accelerate_skipped"] == skips  # AcceleratedOptimizer.step_was_skipped
         assert s["birder_skipped"] == p["birder_skipped"] == skips  # Birder's own, also when the scaler skipped step()
         assert s["scales"] == [SCALE, 2 * SCALE, SCALE, SCALE, 2 * SCALE, 2 * SCALE, 4 * SCALE, 4 * SCALE]
@@ -266,7 +267,7 @@ def _refusals(rank, world):
         errors["unscaled"] = str(exc)
     unchanged = all(st["step"] == 0 for st in opt.state.values())
 
-    # a hook not given the scaler encoded this backward at scale 1, the scaler stepped at 4096: refused, nothing applied
+    # a hook not given the scaler encoded this backward at scale 1, the scaler stepped at 4096: refused, none applied
     model = torch.nn.parallel.DistributedDataParallel(Net())
     opt = Birder(model.parameters(), lr=0.01, seed=0)
     attach_ddp_hook(model, opt)

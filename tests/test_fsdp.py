@@ -400,8 +400,8 @@ def test_accelerate_loop_with_a_model_sharded_on_the_node(tmp_path):
 
 
 # ------------------------------------------------------------------------------------ a parameter no rank used
-# step -> the ranks whose forward uses the side layer (a node's ranks run the same FSDP units: FSDP all-gathers a unit's
-# parameters inside the node)
+# step -> the ranks whose forward uses the side layer (a node's ranks run the same FSDP units: FSDP all-gathers a
+# unit's parameters inside the node)
 SIDE_USERS = {0: (0, 1, 2, 3), 1: (0, 1, 2, 3), 3: (0, 1)}
 
 

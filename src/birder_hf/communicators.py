@@ -215,8 +215,9 @@ class HookState(Communicator):
         check_grad_scaler(grad_scaler)
         if grad_scaler is not None and not self.loss_scale_invariant:
             raise ValueError(
-                f"{self.hook_name} cannot train with fp16 loss scaling (GradScaler): the hook encodes the gradients of "
-                f"the backward pass, and {type(optimizer).__name__}'s update depends on their scale. Use bf16 (or fp32)."
+                f"{self.hook_name} cannot train with fp16 loss scaling (GradScaler): the hook encodes the gradients "
+                f"of the backward pass, and {type(optimizer).__name__}'s update depends on their scale. Use bf16 (or "
+                "fp32)."
             )
         self.grad_scaler, self._scale, self._skipping = grad_scaler, None, False
         self.topology = topology if topology is not None else Topology.flat()
@@ -484,8 +485,8 @@ class HookState(Communicator):
             self._verdict = None
             raise RuntimeError(
                 f"{self.hook_name} encoded this step's gradients at loss scale {used:g}, but the GradScaler stepping "
-                f"{type(opt).__name__} scaled the loss by {float(scale):g}: give the hook the GradScaler that scales the "
-                "loss (grad_scaler= of attach_ddp_hook / BirderHookState / register_birder_fsdp; accelerate's "
+                f"{type(opt).__name__} scaled the loss by {float(scale):g}: give the hook the GradScaler that scales "
+                "the loss (grad_scaler= of attach_ddp_hook / BirderHookState / register_birder_fsdp; accelerate's "
                 "register_birder_hook, BirderTrainer and BirderDDPStrategy pass theirs), so that m and b stay in the "
                 "gradient's unit when the scale changes. Nothing was applied."
             )
