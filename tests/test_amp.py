@@ -171,6 +171,36 @@ def test_fp16_with_the_optimizer_side_all_reduce_backs_off_every_rank_and_equals
     assert all(torch.equal(a, b) for a, b in zip(scaled[0][0], scaled[1][0]))
 
 
+def _optimizer_side_clipped(rank, world):
+    # scaler.unscale_ before scaler.step (to clip): each rank's scaler has judged its own gradients before Birder's
+    # agreement; the overflowing rank's scaler skips step(), the others call it, and no rank may wait for a collective
+    import warnings
+
+    model = Net(overflow=True, overflow_at=1)
+    opt = Birder(model.parameters(), lr=0.01, beta=0.9, seed=3, process_group=dist.group.WORLD)
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    skipped = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for t in range(3):
+            x, y = _batch(rank, t)
+            scaler.scale(model(x, y)["loss"]).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            skipped.append(opt.step_was_skipped)
+            opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()], skipped
+
+
+def test_fp16_with_the_optimizer_side_all_reduce_and_clipping_skips_everywhere_without_waiting():
+    res = run_distributed(_optimizer_side_clipped, 2, timeout=120)
+    for params, skipped in res:
+        assert skipped == [False, True, False]
+        assert all(torch.equal(a, b) for a, b in zip(params, res[0][0]))
+
+
 # --------------------------------------------------------------------------------------------------- Trainer
 class Regression(torch.utils.data.Dataset):
     def __init__(self, n=192):

@@ -558,6 +558,11 @@ def _nan_if(d: torch.Tensor, verdict: torch.Tensor) -> torch.Tensor:
     return d.fill_(float("nan")) if verdict[0].item() != 0 else d
 
 
+def _grad_versions(params) -> tuple:
+    # which gradient tensors the parameters hold, and their in-place version counters
+    return tuple((id(p.grad), local_tensor(p.grad)._version) for p in params if p.grad is not None)
+
+
 def _is_dense(t: torch.Tensor) -> bool:
     # its elements fill numel() consecutive slots in some order of the dimensions (no gaps, no overlap)
     expected = 1
@@ -620,6 +625,7 @@ class StepAllReduce(Communicator):
         self.usage = usage
         self.stats = CommStats()
         self._verdict: torch.Tensor | None = None  # agreed when a GradScaler asked, for the step() it calls next
+        self._poisoned: tuple | None = None  # the gradients amp_scaling filled with NaN (a skipped step)
 
     def detach(self) -> None:
         if self.usage is not None:
@@ -658,13 +664,20 @@ class StepAllReduce(Communicator):
         self._verdict = None
         self._skip()
         self.optimizer.step_was_skipped = True
-        poison_gradients([p for g in self.optimizer.param_groups for p in g["params"]])
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        poison_gradients(params)
+        # a rank whose scaler un-scaled before this agreement (scaler.unscale_ for clipping) may still call step():
+        # it skips without a collective while .grad is the one poisoned here
+        self._poisoned = _grad_versions(params)
         return False
 
     def finish_step(self) -> list[Update] | None:
         opt = self.optimizer
         params = [p for g in opt.param_groups for p in g["params"]]
         grads = {p: p.grad for gg in opt.gradients() for p in gg.params}
+        poisoned, self._poisoned = self._poisoned, None
+        if poisoned is not None and poisoned == _grad_versions(params):
+            return None  # amp_scaling agreed to skip this step, and another rank's scaler skips step()
         scaled = hasattr(opt, "found_inf")  # a GradScaler asked amp_scaling just before calling step()
         flags = self._verdict if scaled and self._verdict is not None else self._agree()
         self._verdict = None
