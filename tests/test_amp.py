@@ -191,14 +191,15 @@ def _optimizer_side_clipped(rank, world):
             scaler.update()
             skipped.append(opt.step_was_skipped)
             opt.zero_grad()
-    return [p.detach().clone() for p in model.parameters()], skipped
+    return [p.detach().clone() for p in model.parameters()], skipped, scaler.get_scale()
 
 
 def test_fp16_with_the_optimizer_side_all_reduce_and_clipping_skips_everywhere_without_waiting():
     res = run_distributed(_optimizer_side_clipped, 2, timeout=120)
-    for params, skipped in res:
+    for params, skipped, _ in res:
         assert skipped == [False, True, False]
         assert all(torch.equal(a, b) for a, b in zip(params, res[0][0]))
+    assert [scale for *_, scale in res] == [SCALE, SCALE / 2]  # only rank 1's scaler saw its overflow
 
 
 # --------------------------------------------------------------------------------------------------- Trainer
