@@ -99,6 +99,8 @@ def _members(cls) -> list[tuple[str, str, str]]:
             func = raw.__func__
             out.append((name, _signature(func, drop_self=isinstance(raw, classmethod)), _first_sentence(func)))
         elif inspect.isfunction(raw):
+            if inspect.unwrap(raw).__qualname__.split(".")[0] != cls.__name__:
+                continue  # torch.optim.Optimizer patches a wrapped `step` into the class of its first instance
             out.append((name, _signature(raw, drop_self=True), _first_sentence(raw)))
     return out
 

@@ -175,14 +175,16 @@ def test_only_packed_bits_and_flags_cross_the_nodes():
         # the first call with new arguments checks the ranks agree on them: one all-gather of 7 int64 per new call
         # signature (numel, method, ...), none on later steps (collectives.check_agreement)
         agreement = [i for i, c in enumerate(crossing) if c[0] == "onebit_all_gather" and c[1] == "torch.int64"]
-        first_step_ends = crossing.index(("all_reduce", "torch.float32", 1))  # step 1's finite flag
+        # step 1's agreement: the finite flag and, per parameter, whether any rank used it (6 parameters)
+        verdict = ("all_reduce", "torch.float32", 1 + 6)
+        first_step_ends = crossing.index(verdict)
         assert agreement and max(agreement) < first_step_ends
         assert all(crossing[i][2] == 7 for i in agreement)
         # per step and FSDP unit: one all-gather of the packed bits of this rank's shard (1 bit per element; none
         # for an empty shard)
         assert bits == [("onebit_all_gather", "torch.uint8", -(-n // 8)) for n in shard_numels if n] * 3
-        # and per step one all-reduce of a 1-element finite flag over every rank: no fp32 gradient crosses
-        assert flags == [("all_reduce", "torch.float32", 1)] * 3
+        # and per step one all-reduce of the finite flag and the used flags over every rank: no fp32 gradient crosses
+        assert flags == [verdict] * 3
         per_step = sum(expected_bytes("hierarchical", n, (2, 1))["inter_node_bytes"] for n in shard_numels)
         assert stats["comm/inter_node_bytes"] == 3 * per_step and stats["comm/intra_node_bytes"] == 0
         assert per_step == sum(-(-n // 8) for n in shard_numels)  # k - 1 = 1 peer: 1/8 byte per shard element
@@ -416,3 +418,144 @@ def test_accelerate_loop_with_a_model_sharded_on_the_node(tmp_path):
     for kind, full, ref in res:
         assert kind == "FSDPHookState" and _equal(full, ref)
     assert sorted(os.listdir(os.path.join(ckpt, "birder"))) == [f"rank_0000{r}-of-00004.pt" for r in range(4)]
+
+
+# ------------------------------------------------------------------------------------ a parameter no rank used
+# step -> the ranks whose forward uses the side layer (a node's ranks run the same FSDP units: FSDP all-gathers a
+# unit's parameters inside the node)
+SIDE_USERS = {0: (0, 1, 2, 3), 1: (0, 1, 2, 3), 3: (0, 1)}
+
+
+class _Branchy(torch.nn.Module):
+    """``_model()`` plus a ``side`` layer that only some steps (and ranks) use: a branch not taken."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = _model()
+        self.side = torch.nn.Linear(12, 1)
+
+    def forward(self, x, use_side):
+        out = self.body(x)
+        return out + self.side(x) if use_side else out
+
+
+def _branchy_loss(model, rank, t):
+    x, y = _batch(rank, t)
+    return (model(x, rank in SIDE_USERS.get(t, ())) - y).pow(2).mean()
+
+
+def _branchy_hsdp(rank, mesh, steps, *, in_backward, unused_params=False):
+    model = _Branchy()
+    for i in LAYERS:
+        fully_shard(model.body[i], mesh=mesh["shard"])
+    fully_shard(model.side, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    if unused_params:  # what a user sets so that ranks using different layers reduce the same layout
+        for m in (model.body[0], model.body[2], model.body[4], model.side, model):
+            m.set_reduce_scatter_unused_params(True, recurse=False)
+    opt = _optimizer(model.parameters())
+    register_birder_fsdp(model, opt, mesh, in_backward=in_backward)
+    for t in range(steps):
+        _branchy_loss(model, rank, t).backward()
+        opt.step()
+        opt.zero_grad()
+    side_steps = [int(opt.state[p]["step"]) for p in model.side.parameters()]
+    return _full(model), side_steps
+
+
+def _branchy_reference(rank, mesh, steps):
+    # unsharded; a rank that did not use the side layer adds zeros to its node's average when some rank used it
+    # (what FSDP's reduce-scatter of zeros does), and nobody has a gradient for it when no rank used it
+    model = _Branchy()
+    opt = _optimizer(model.parameters(), topology=Topology.from_replicate_dim(mesh), method="hierarchical")
+    node = mesh["shard"].get_group()
+    for t in range(steps):
+        _branchy_loss(model, rank, t).backward()
+        for p in model.parameters():
+            if p.grad is None and t in SIDE_USERS:
+                p.grad = torch.zeros_like(p)
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=node)
+                p.grad.div_(mesh.size(1))
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_parameter_no_rank_used_is_not_stepped_on_either_fsdp_path():
+    # The side layer: used by every rank on steps 0-1, by node 0 only on step 3, by no rank on steps 2, 4, 5. Before
+    # the fix the hook path (FSDP hands it zeros) and the step() path with set_reduce_scatter_unused_params moved it
+    # by lr * u on every step no rank used it (m and b decay together, u stays), unlike DDP and the reference.
+    def fn(rank, world):
+        mesh = _mesh()
+        return (
+            _branchy_reference(rank, mesh, 6),
+            _branchy_hsdp(rank, mesh, 6, in_backward=True),
+            _branchy_hsdp(rank, mesh, 6, in_backward=False, unused_params=True),
+        )
+
+    res = run_distributed(fn, 4, timeout=240)
+    for ref, (hooked, hook_side_steps), (stepped, step_side_steps) in res:
+        assert _equal(stepped, ref)  # the step() path, FSDP handing over zeros (set_reduce_scatter_unused_params)
+        assert _equal(hooked, ref)  # the hook path (it sets set_reduce_scatter_unused_params)
+        assert hook_side_steps == step_side_steps == [3, 3]  # steps 0, 1 and 3: m, b untouched on the others
+    assert _equal(res[0][1][0], res[3][1][0])
+
+
+# ------------------------------------------------------------------------------------------- fp16 loss scaling
+def _hsdp_fp16(rank, mesh, steps, *, in_backward, scaled, overflow_at=2):
+    from accelerate import Accelerator
+
+    from birder_hf.integrations.accelerate import register_birder_hook
+
+    acc = Accelerator(cpu=True)
+    if scaled:  # what accelerate builds for mixed_precision="fp16" on an accelerator; grows every 2 clean steps
+        acc.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=2)
+    model = _sharded(mesh["shard"])
+    opt = acc.prepare(_optimizer(model.parameters()))
+    if in_backward:
+        register_birder_hook(acc, model, opt, mesh=mesh)  # hands the hook accelerate's scaler
+    else:
+        register_birder_fsdp(model, opt, mesh, in_backward=False)
+    record = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "a rank had a non-finite gradient"
+        for t in range(steps):
+            loss = _loss(model, rank, t)
+            if t == overflow_at and rank == 3:  # node 1's reduce-scatter spreads it to rank 2; node 0 stays finite
+                loss = loss * float("inf")
+            acc.backward(loss)
+            opt.step()
+            scale = acc.scaler.get_scale() if scaled else None
+            record.append((opt.step_was_skipped, opt.optimizer.step_was_skipped, scale))
+            opt.zero_grad()
+    state = [{k: opt.optimizer.state[p][k].clone() for k in ("exp_avg", "exp_avg_abs")} for p in model.parameters()]
+    return _full(model), record, state
+
+
+def test_fp16_overflow_on_one_rank_backs_off_every_rank_on_both_fsdp_paths():
+    # Before the fix an inf on rank 3 backed off only node 1's scalers ([4096, 4096, 2048, 2048]), accelerate's
+    # step_was_skipped stayed False on every rank (the scheduler advanced on a skipped step), and m, b mixed
+    # gradients of two scales after a scale change.
+    def fn(rank, world):
+        mesh = _mesh()
+        return {
+            (path, scaled): _hsdp_fp16(rank, mesh, 6, in_backward=path == "hook", scaled=scaled)
+            for path in ("hook", "step") for scaled in (True, False)
+        }
+
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
+    res = run_distributed(fn, 4, local_world_size=2, env=env, timeout=300)
+    skips = [False, False, True, False, False, False]
+    for runs in res:
+        for path in ("hook", "step"):
+            full, record, state = runs[(path, True)]
+            plain, plain_record, plain_state = runs[(path, False)]
+            assert [r[0] for r in record] == skips, path  # AcceleratedOptimizer.step_was_skipped
+            assert [r[1] for r in record] == [r[1] for r in plain_record] == skips, path  # Birder's
+            s = 2.0**12  # grown after steps 1 and 4 (2 clean steps each), halved by the overflow: on every rank
+            assert [r[2] for r in record] == [s, 2 * s, s, s, 2 * s, 2 * s], path
+            assert _equal(full, plain), path  # the scaled run is the unscaled one, bit for bit
+            assert all(_equal(list(a.values()), list(b.values())) for a, b in zip(state, plain_state)), path
+        assert _equal(runs[("hook", True)][0], runs[("step", True)][0])
+    assert all(_equal(r[("hook", True)][0], res[0][("hook", True)][0]) for r in res)

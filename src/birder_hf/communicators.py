@@ -35,7 +35,15 @@ from .collectives import (
 )
 from .topology import Topology
 
-__all__ = ["HookState", "StepAllReduce", "agree", "agree_setup", "setup_group", "communicator_settings"]
+__all__ = [
+    "HookState",
+    "StepAllReduce",
+    "UsageMarks",
+    "agree",
+    "agree_setup",
+    "setup_group",
+    "communicator_settings",
+]
 
 
 def _nonfinite_flag(t: torch.Tensor) -> torch.Tensor:
@@ -131,6 +139,67 @@ def _shown(value) -> str:
     return value if isinstance(value, str) else repr(value)
 
 
+class UsageMarks:
+    """Which parameters got a gradient on this rank since the last step: the post-accumulate-grad hook of the tensor
+    autograd accumulates into (the parameter itself; under FSDP2 its unsharded parameter) marks the parameter.
+
+    A parameter that is not watched counts as used. The marks ride on a step's agreement all-reduce, so that a
+    parameter no rank used is not stepped, as with a gradient of None, also where the framework hands over zeros for
+    it (DDP's buckets; FSDP2 with ``set_reduce_scatter_unused_params(True)``) or ``zero_grad(set_to_none=False)`` left
+    a zero tensor in ``.grad``.
+    """
+
+    __slots__ = ("used", "watched", "handles")
+
+    def __init__(self):
+        self.used: set = set()
+        self.watched: set = set()
+        self.handles: list = []
+
+    def watch(self, param: torch.Tensor, leaf: torch.Tensor | None = None) -> None:
+        """Mark ``param`` used whenever autograd accumulates a gradient into ``leaf`` (default: ``param``)."""
+        leaf = param if leaf is None else leaf
+        if leaf.requires_grad:
+            self.watched.add(param)
+            self.handles.append(leaf.register_post_accumulate_grad_hook(lambda _t, p=param: self.used.add(p)))
+
+    def is_used(self, p: torch.Tensor) -> bool:
+        return p in self.used or p not in self.watched
+
+    def clear(self) -> None:
+        """Forget this step's marks (after the step, applied or skipped)."""
+        self.used.clear()
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles, self.watched = [], set()
+        self.used.clear()
+
+
+def poison_gradients(params) -> None:
+    """Fill every gradient of ``params`` with NaN: a step every rank skips then looks non-finite to this rank's
+    ``GradScaler`` too (it backs the scale off and skips ``step()``, as on the rank that overflowed)."""
+    with torch.no_grad():
+        for p in params:
+            if p.grad is not None:
+                local_tensor(p.grad).fill_(float("nan"))
+
+
+def grad_scaler_scale(grad_scaler) -> float:
+    """The loss scale ``grad_scaler`` multiplies the loss by now (1 without a scaler, or a disabled one)."""
+    if grad_scaler is None or not grad_scaler.is_enabled():
+        return 1.0
+    return float(grad_scaler.get_scale())
+
+
+def check_grad_scaler(grad_scaler) -> None:
+    if grad_scaler is not None and not all(hasattr(grad_scaler, a) for a in ("get_scale", "is_enabled", "step")):
+        raise TypeError(
+            f"grad_scaler must be the torch.amp.GradScaler that scales the loss, got {type(grad_scaler).__name__}."
+        )
+
+
 class Staged(NamedTuple):
     """What a hook staged for one parameter until ``optimizer.step()``: its group and the optimizer's record."""
 
@@ -193,9 +262,11 @@ class HookState(Communicator):
         "_flags",
         "_step_stats",
         "_verdict",
-        "_used",  # parameters that got a gradient since the last step (their post-accumulate-grad hook ran)
-        "_watched",  # parameters with that hook, and its handles
-        "_handles",
+        "_marks",  # the parameters that got a gradient on this rank since the last step (UsageMarks)
+        "_skipping",  # this step's agreed verdict was non-finite, and the step is dropped (a GradScaler skips it)
+        # fp16 loss scaling
+        "grad_scaler",
+        "_scale",  # the loss scale of this step's backward, read at its first bucket
         # where each strided parameter's gradient lies in its bucket
         "_layouts",
         # statistics
@@ -205,17 +276,33 @@ class HookState(Communicator):
         "skipped_steps",
     )
 
-    def __init__(self, optimizer, topology: Topology | None = None, *, check_finite: bool = True, agree_group=None):
+    def __init__(
+        self,
+        optimizer,
+        topology: Topology | None = None,
+        *,
+        check_finite: bool = True,
+        agree_group=None,
+        grad_scaler=None,
+    ):
         self.check_finite = bool(check_finite)
         # this rank's checks, then one exchange with the others before any other collective (agree_setup): a bad
         # argument on one rank stops every rank, and ranks set up differently fail instead of drifting apart
         error = settings = None
         try:
             self._check_setup(optimizer, topology)
+            check_grad_scaler(grad_scaler)
+            if grad_scaler is not None and not self.loss_scale_invariant:
+                raise ValueError(
+                    f"{self.hook_name} cannot train with fp16 loss scaling (GradScaler): the hook encodes the "
+                    f"gradients of the backward pass, and {type(optimizer).__name__}'s update depends on their scale. "
+                    "Use bf16 (or fp32)."
+                )
             if not dist.is_available() or not dist.is_initialized():
                 raise RuntimeError(f"{self.hook_name} needs torch.distributed to be initialized (init_process_group).")
             nodes = (1, dist.get_world_size()) if topology is None else (topology.num_nodes, topology.local_world_size)
             settings = self._settings(optimizer, nodes)
+            settings["loss scaling"] = grad_scaler is not None and grad_scaler.is_enabled()
         except Exception as exc:
             error = exc
         agree_setup(
@@ -226,6 +313,7 @@ class HookState(Communicator):
             fix=f"Every rank must build its hook state with the same settings, and its "
             f"{type(optimizer).__name__} with the same parameters and settings",
         )
+        self.grad_scaler, self._scale, self._skipping = grad_scaler, None, False
         self.topology = topology if topology is not None else Topology.flat()
         # the ranks that agree a step is finite: the topology's (DDP), or every rank of the mesh (FSDP, whose
         # topology spans only this rank's replicas)
@@ -238,7 +326,7 @@ class HookState(Communicator):
         self._layouts: dict[torch.Tensor, tuple] = {}  # param -> (where, filled strided, read back through .grad)
         self.stats, self.last_step_stats, self._step_stats = CommStats(), CommStats(), CommStats()
         self.steps_communicated = self.skipped_steps = 0
-        self._used, self._watched, self._handles = set(), set(), []
+        self._marks = UsageMarks()
         self.attach(optimizer)
         if self.skip_unused and self.check_finite:
             self._watch([p for g in optimizer.param_groups for p in g["params"]])
@@ -247,14 +335,11 @@ class HookState(Communicator):
         # one Python call per parameter per backward: how a rank knows which parameters it used this step (DDP
         # hands the hook zeros for an unused one, and with zero_grad(set_to_none=False) its .grad is a zero tensor)
         for p in params:
-            if p.requires_grad and p not in self._watched:
-                self._watched.add(p)
-                self._handles.append(p.register_post_accumulate_grad_hook(self._used.add))
+            if p not in self._marks.watched:
+                self._marks.watch(p)
 
     def detach(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles, self._watched = [], set()
+        self._marks.remove()
         super().detach()
 
     def _check_setup(self, optimizer, topology) -> None:
@@ -316,9 +401,7 @@ class HookState(Communicator):
     def _begin_bucket(self, bucket) -> list[BucketGrad]:
         """The bucket's parameters with their gradients and groups, checked (:class:`BucketGrad`); counts the bucket's
         finite flag. Drops the state staged by a backward whose step a ``GradScaler`` skipped."""
-        self.topology._check_open()
-        if self._pending and self._bad_verdict():
-            self._skip()  # a GradScaler skipped step() after the last backward's non-finite verdict
+        self._begin_backward()
         opt, buffer = self.optimizer, bucket.buffer()
         items, offset = [], 0
         for p in bucket.parameters():
@@ -340,11 +423,27 @@ class HookState(Communicator):
         if self.check_finite:
             self._flag_nonfinite(buffer)
             if self.skip_unused:  # a parameter added since: watched from now on, counted as used this step
-                new = [b.param for b in items if b.param not in self._watched]
+                new = [b.param for b in items if b.param not in self._marks.watched]
                 self._watch(new)
-                self._used.update(new)
+                self._marks.used.update(new)
         self._verdict = None
         return items
+
+    def _begin_backward(self) -> None:
+        """Called as each bucket (unit) of a backward begins: drops the state staged by a backward whose step was
+        skipped without ``step()`` (a ``GradScaler`` skipped the call)."""
+        self.topology._check_open()
+        self._skipping = False
+        if self._pending and self._bad_verdict():
+            self._skip()  # nobody asked: step() was not called after the last backward's non-finite verdict
+
+    def loss_scale(self) -> float:
+        """The loss scale of this step's backward (``grad_scaler``'s, read once per backward; 1 without one): the hook
+        encodes ``g / S``, so ``m`` and ``b`` stay in the gradient's unit whatever the scale does (S is a power of two:
+        the division is exact)."""
+        if self._scale is None:
+            self._scale = grad_scaler_scale(self.grad_scaler)
+        return self._scale
 
     def _flag_nonfinite(self, t: torch.Tensor) -> None:
         """Record (on ``t``'s device, no host sync) whether ``t`` holds a non-finite value; agreed later."""
@@ -356,7 +455,7 @@ class HookState(Communicator):
             bad = torch.stack(self._flags).any().to(torch.float32).reshape(1)
         else:
             bad = torch.zeros(1, device=next(iter(self._pending)).device)
-        used = [p in self._used or p not in self._watched for p in order]
+        used = [self._marks.is_used(p) for p in order]
         return torch.cat([bad, torch.tensor(used, dtype=torch.float32).to(bad.device)])
 
     def _unused_order(self) -> list[torch.Tensor]:
@@ -422,10 +521,30 @@ class HookState(Communicator):
         self._pending[p] = Staged(group, record)
 
     # --------------------------------------------------------------------------------------------- steps
+    def _agreed_verdict(self) -> torch.Tensor | None:
+        """This step's agreement (``None``: nothing staged, or ``check_finite=False``), made now if the backward did
+        not make it (FSDP's hook agrees when asked; DDP's after its last bucket)."""
+        if self._verdict is None and self.check_finite and self._pending:
+            self._verdict = agree(self._local_verdict(self._unused_order()), self.agree_group)
+        return self._verdict
+
     def amp_scaling(self) -> bool:
-        """Whether ``step()`` takes ``.grad`` as it is from ``GradScaler``: yes, unless the last backward was
-        non-finite (then the scaler un-scales, finds the NaN, skips ``step()`` and backs the scale off)."""
-        return not (self._pending and self._bad_verdict())
+        """Whether ``step()`` takes ``.grad`` as it is from ``GradScaler``: yes, unless a rank's backward was
+        non-finite. Then the step is dropped here on every rank (``optimizer.step_was_skipped``) and every rank's
+        ``.grad`` holds NaN, so every rank's scaler un-scales, finds it, skips ``step()`` (accelerate and the Trainer
+        see a skipped step) and backs the scale off: the ranks' scales stay equal. Collective where the backward did
+        not agree yet (FSDP): every rank asks once per step, as ``GradScaler.step`` does."""
+        if self._skipping:
+            return False
+        verdict = self._agreed_verdict()
+        if verdict is None or verdict[0].item() == 0:
+            return True
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self._skip()
+        self._skipping = True
+        self.optimizer.step_was_skipped = True
+        poison_gradients(params)
+        return False
 
     def check_loss_scaled_step(self) -> None:
         """Called by ``step()`` when a ``GradScaler`` left ``.grad`` to the optimizer: refuse what would go wrong."""
@@ -440,7 +559,19 @@ class HookState(Communicator):
                 f"{type(self).__name__}(check_finite=False) cannot train with a GradScaler: an overflow would be "
                 "applied instead of skipped and the scale would never back off. Keep check_finite=True."
             )
-        if getattr(opt, "grad_scale", None) is None:
+        scale = getattr(opt, "grad_scale", None)
+        if scale is not None and self._pending and float(scale) != self.loss_scale():
+            used = self.loss_scale()
+            self._close_step()  # drop the step: the next backward starts clean
+            self._verdict = None
+            raise RuntimeError(
+                f"{self.hook_name} encoded this step's gradients at loss scale {used:g}, but the GradScaler stepping "
+                f"{type(opt).__name__} scaled the loss by {float(scale):g}: give the hook the GradScaler that scales "
+                "the loss (grad_scaler= of attach_ddp_hook / BirderHookState / register_birder_fsdp; accelerate's "
+                "register_birder_hook, BirderTrainer and BirderDDPStrategy pass theirs), so that m and b stay in the "
+                "gradient's unit when the scale changes. Nothing was applied."
+            )
+        if scale is None:
             raise RuntimeError(
                 "GradScaler.unscale_ ran before step() (accelerator.clip_grad_norm_ and clip_grad_value_ call it): it "
                 f"divided .grad by the loss scale, but after {self.hook_name} .grad holds the direction d, not a "
@@ -451,6 +582,8 @@ class HookState(Communicator):
     def _close_step(self) -> dict[torch.Tensor, Staged]:
         # the end of a step, applied or not: hand over what was staged, close the step's statistics
         pending, self._pending, self._flags = self._pending, {}, []
+        self._scale = None
+        self._marks.clear()
         step_stats, self._step_stats = self._step_stats, CommStats()
         self.stats += step_stats
         self.last_step_stats = step_stats
@@ -469,19 +602,20 @@ class HookState(Communicator):
     def finish_step(self) -> dict[torch.Tensor, Staged] | None:
         """Called by ``optimizer.step()``: hand over what the hook staged, or ``None`` when a rank had a non-finite
         gradient (every rank skips), and close the step's statistics."""
-        verdict, self._verdict = self._verdict, None
+        if self._skipping:  # amp_scaling dropped this step already (non-finite on a rank)
+            self._skipping = False
+            return None
         unused = []
         if self.check_finite and self._pending:
             order = self._unused_order()
-            if verdict is None:  # not through DDP's last bucket (FSDP, or step() mid-backward): agree now
-                verdict = agree(self._local_verdict(order), self.agree_group)
-            agreed = verdict.tolist()
+            # not through DDP's last bucket (FSDP, or step() mid-backward): agreed now
+            agreed = self._agreed_verdict().tolist()
+            self._verdict = None
             if agreed[0] != 0:
-                self._used.clear()
                 self._skip()
                 return None
             unused = [p for p, used in zip(order, agreed[1:]) if used == 0]
-        self._used.clear()
+        self._verdict = None
         pending = self._close_step()
         unseen = [
             p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None and p not in pending
@@ -503,6 +637,11 @@ class HookState(Communicator):
 def _nan_if(d: torch.Tensor, verdict: torch.Tensor) -> torch.Tensor:
     # a rank had a non-finite gradient: d is NaN everywhere, as an fp32 all-reduce would have made it
     return d.fill_(float("nan")) if verdict[0].item() != 0 else d
+
+
+def _grad_versions(params) -> tuple:
+    # which gradient tensors the parameters hold, and their in-place version counters
+    return tuple((id(p.grad), local_tensor(p.grad)._version) for p in params if p.grad is not None)
 
 
 def _is_dense(t: torch.Tensor) -> bool:
@@ -532,8 +671,17 @@ class StepAllReduce(Communicator):
         chunk_numel (`int`, *optional*): bound on the elements per collective.
         agree_group (`ProcessGroup`, *optional*): the ranks that agree on skipped steps and used parameters (default:
             the topology's); sharded parameters need every rank of the mesh (``birder_hf.fsdp`` passes it).
+        usage (`UsageMarks`, *optional*): which parameters this rank used (``birder_hf.fsdp`` watches FSDP's unsharded
+            parameters): a parameter no rank used is not stepped even where ``.grad`` holds zeros for it. Without it,
+            a parameter counts as used where ``.grad`` is not None.
 
     Sharded parameters (FSDP2's ``DTensor``) are encoded, all-reduced and updated on their local shards.
+
+    fp16 loss scaling (``GradScaler``): the agreement runs when the scaler asks ``_step_supports_amp_scaling``
+    (every rank asks once per step), before it looks for overflows: if any rank's gradient is non-finite, every
+    rank's ``.grad`` is filled with NaN, so every rank's scaler skips ``step()`` and backs off (the scales stay equal;
+    accelerate sees a skipped step). Otherwise the scaler hands ``step()`` the scaled gradients and their scale ``S``,
+    and the optimizer encodes ``g / S``: ``m`` and ``b`` are those of the unscaled run.
     """
 
     def __init__(
@@ -545,6 +693,7 @@ class StepAllReduce(Communicator):
         inter_method: str = DEFAULT_INTER_METHOD,
         chunk_numel: int | None = None,
         agree_group=None,
+        usage: UsageMarks | None = None,
     ):
         method = DEFAULT_METHOD if method is None else method
         check_settings(method, inter_method, chunk_numel)
@@ -554,7 +703,36 @@ class StepAllReduce(Communicator):
             raise TypeError(f"topology must be a birder_hf.Topology, got {type(topology).__name__}.")
         self.topology, self.method, self.inter_method, self.chunk_numel = topology, method, inter_method, chunk_numel
         self.agree_group = topology.world_group if agree_group is None else agree_group
+        self.usage = usage
         self.stats = CommStats()
+        self._verdict: torch.Tensor | None = None  # agreed when a GradScaler asked, for the step() it calls next
+        self._poisoned: tuple | None = None  # the gradients amp_scaling filled with NaN (a skipped step)
+
+    def detach(self) -> None:
+        if self.usage is not None:
+            self.usage.remove()
+        super().detach()
+
+    def _agree(self) -> torch.Tensor:
+        # one all-reduce: [non-finite on any rank, then: used (has a gradient) on any rank, per parameter]
+        opt = self.optimizer
+        params = [p for g in opt.param_groups for p in g["params"]]
+        grads = {p: p.grad for gg in opt.gradients() for p in gg.params}
+        flags = torch.zeros(1 + len(params), dtype=torch.float32)
+        flags[0] = 0.0 if all_finite(list(grads.values())) else 1.0
+        usage = self.usage
+        flags[1:] = torch.tensor(
+            [p in grads and (usage is None or usage.is_used(p)) for p in params], dtype=torch.float32
+        )
+        dev = params[0].device if params else torch.device("cpu")
+        return agree(flags.to(dev), self.agree_group).cpu()
+
+    def _skip(self) -> None:
+        if self.usage is not None:
+            self.usage.clear()
+        warnings.warn(
+            "Birder: a rank had a non-finite gradient; every rank skipped this step.", RuntimeWarning, stacklevel=5
+        )
 
     @staticmethod
     def agree_on_setup(
@@ -610,30 +788,47 @@ class StepAllReduce(Communicator):
         )
 
     def amp_scaling(self) -> bool:
-        # every rank must call step(): its all-reduce agrees on skipping; u = m / b does not depend on the scale
-        return True
+        """Asked by ``GradScaler.step`` on every rank: agree now (see the class docstring). ``True``: the scaler calls
+        ``step()`` with the scaled gradients and their scale; ``False``: a rank overflowed, every rank's ``.grad`` is
+        NaN and every rank's scaler skips ``step()``."""
+        flags = self._agree()
+        if flags[0] == 0:
+            self._verdict = flags
+            return True
+        self._verdict = None
+        self._skip()
+        self.optimizer.step_was_skipped = True
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        poison_gradients(params)
+        # a rank whose scaler un-scaled before this agreement (scaler.unscale_ for clipping) may still call step():
+        # it skips without a collective while .grad is the one poisoned here
+        self._poisoned = _grad_versions(params)
+        return False
 
     def finish_step(self) -> list[Update] | None:
         opt = self.optimizer
         params = [p for g in opt.param_groups for p in g["params"]]
         grads = {p: p.grad for gg in opt.gradients() for p in gg.params}
-        # [non-finite on any rank, then: has a gradient on any rank, per parameter]
-        flags = torch.zeros(1 + len(params), dtype=torch.float32)
-        flags[0] = 0.0 if all_finite(list(grads.values())) else 1.0
-        flags[1:] = torch.tensor([p in grads for p in params], dtype=torch.float32)
-        dev = params[0].device if params else torch.device("cpu")
-        flags = agree(flags.to(dev), self.agree_group).cpu()
+        poisoned, self._poisoned = self._poisoned, None
+        if poisoned is not None and poisoned == _grad_versions(params):
+            return None  # amp_scaling agreed to skip this step, and another rank's scaler skips step()
+        scaled = hasattr(opt, "found_inf")  # a GradScaler asked amp_scaling just before calling step()
+        flags = self._verdict if scaled and self._verdict is not None else self._agree()
+        self._verdict = None
         if flags[0] != 0:
-            warnings.warn(
-                "Birder: a rank had a non-finite gradient; every rank skipped this step.", RuntimeWarning, stacklevel=4
-            )
+            self._skip()
             return None
+        if self.usage is not None:
+            self.usage.clear()
+        scale = getattr(opt, "grad_scale", None) if scaled else None  # None: un-scaled already (scaler.unscale_)
+        scale = 1.0 if scale is None else float(scale)
         used = {p for p, f in zip(params, flags[1:].tolist()) if f}
         batch = [(g, [p for p in g["params"] if p in used]) for g in opt.param_groups]
         batch = [(g, ps) for g, ps in batch if ps]
         if not batch:
             return []
         ordered = [p for _, ps in batch for p in ps]
+        dev = ordered[0].device
         # before any state changes: the parameters still match their state, and every rank makes the same call
         # (one all-gather the first time this set of parameters is used; a cache lookup afterwards)
         opt.check_state_matches(ordered)
@@ -651,7 +846,8 @@ class StepAllReduce(Communicator):
         )
         us = []
         for group, ps in batch:
-            us += opt.encode(group, ps, [grads[p] if p in grads else torch.zeros_like(local_tensor(p)) for p in ps])
+            gs = [grads[p] if p in grads else torch.zeros_like(local_tensor(p)) for p in ps]
+            us += opt.encode(group, ps, gs, grad_scale=scale)
         keys = opt.bit_keys(ordered, [int(opt.state[p]["step"]) for p in ordered])
         flat = torch.cat([u.reshape(-1) for u in us])
         d = onebit_all_reduce(

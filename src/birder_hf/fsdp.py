@@ -55,7 +55,7 @@ import torch.distributed as dist
 
 from .base import Update, is_sharded, local_tensor, shard_offset, unwrap_optimizer
 from .collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, _check_method
-from .communicators import StepAllReduce
+from .communicators import StepAllReduce, UsageMarks
 from .hook import BirderHookState
 from .onebit_adam import OneBitAdam
 from .optim import Birder, EncodeOut
@@ -166,8 +166,9 @@ class FSDPHookState(BirderHookState):
 
     hook_name = "birder_fsdp_hook"
     wrapped_name = "the FSDP model"
-    # FSDP reduce-scatters every unit's gradient (zeros for a parameter no rank used): not a DDP bucket's question
-    skip_unused = False
+    # FSDP hands the hook zeros for a parameter no rank of the node used (set_reduce_scatter_unused_params): the
+    # ranks agree which parameters any rank used (marked on FSDP's unsharded parameters, _watch_units) and step those
+    skip_unused = True
 
     __slots__ = ("_u", "_futures", "_directions")
 
@@ -182,6 +183,26 @@ class FSDPHookState(BirderHookState):
         k = self.topology.num_nodes
         return f"1-bit {self.method} FSDP hook across {k} node{'s' if k != 1 else ''}"
 
+    def _watch(self, params) -> None:
+        # autograd accumulates into FSDP's unsharded parameters, not these: watch_units marks them instead
+        pass
+
+    def watch_units(self, units: list[FSDPUnit]) -> None:
+        """Mark a parameter used when autograd accumulates a gradient into its unsharded parameter (see
+        :class:`birder_hf.communicators.UsageMarks`)."""
+        _watch_units(units, self._marks)
+
+    def _agreed_verdict(self):
+        for fut in self._futures:  # the exchanges first, then the agreement (the same order on every rank)
+            fut.wait()
+        return super()._agreed_verdict()
+
+    def _close_step(self):
+        for fut in self._futures:
+            fut.wait()
+        self._futures, self._directions = [], {}
+        return super()._close_step()
+
     def buffer_bytes(self) -> int:
         """Bytes of the buffers kept between steps: staged ``m``, ``b`` and each unit's ``u`` (this rank's shard)."""
         return super().buffer_bytes() + sum(u.nbytes for u in self._u.values())
@@ -194,6 +215,7 @@ class FSDPHookState(BirderHookState):
 
     def reduce(self, index: int, unit: FSDPUnit, reduce_output: torch.Tensor) -> None:
         """The hook body for unit ``index``: encode its shard of the node-averaged gradient, start the all-reduce."""
+        self._begin_backward()
         opt, layout = self.optimizer, unit.layout()
         expected = sum(n for _, n in layout)
         if reduce_output.numel() != expected:
@@ -237,9 +259,8 @@ class FSDPHookState(BirderHookState):
         for group, ps, gs, us in by_group.values():
             bufs = [self._buffers(p, opt.state[p], group["amsgrad"]) for p in ps]
             maxes = [b.max_exp_avg_abs for b in bufs] if group["amsgrad"] else None
-            opt.encode(
-                group, ps, gs, out=EncodeOut([b.exp_avg for b in bufs], [b.exp_avg_abs for b in bufs], maxes, us)
-            )
+            staged = EncodeOut([b.exp_avg for b in bufs], [b.exp_avg_abs for b in bufs], maxes, us)
+            opt.encode(group, ps, gs, out=staged, grad_scale=self.loss_scale())
             for p, b in zip(ps, bufs):
                 self._stage(p, group, b)
         if self.check_finite:
@@ -256,6 +277,23 @@ class FSDPHookState(BirderHookState):
         if updates is None:
             return None
         return [Update(group, params, [directions[p] for p in params]) for group, params, _ in updates]
+
+
+def _watch_units(units: list[FSDPUnit], marks: UsageMarks) -> None:
+    # FSDP creates a unit's unsharded parameters at its first all-gather (in its forward pre-hook, registered first):
+    # from this forward pre-hook on, autograd's accumulation into one marks the sharded parameter used this step
+    def watcher(unit: FSDPUnit):
+        @torch.compiler.disable  # registers hooks (a side effect), once per parameter: never traced
+        def pre_forward(module, args):
+            for fp in unit.params:
+                p = fp.sharded_param
+                if p not in marks.watched and hasattr(fp, "_unsharded_param"):
+                    marks.watch(p, fp.unsharded_param)
+
+        return pre_forward
+
+    for unit in units:
+        marks.handles.append(unit.module.register_forward_pre_hook(watcher(unit)))
 
 
 def _refuse_wrappers(model) -> torch.nn.Module:
@@ -353,6 +391,7 @@ def register_birder_fsdp(
     chunk_numel: int | None = None,
     check_finite: bool = True,
     in_backward: bool = True,
+    grad_scaler=None,
 ):
     """Train an FSDP2-sharded ``model`` with Birder: full precision inside a node, 1 bit across the nodes.
 
@@ -370,6 +409,13 @@ def register_birder_fsdp(
         inter_method, chunk_numel, check_finite: as for :class:`birder_hf.BirderHookState`.
         in_backward (`bool`, *optional*, defaults to `True`): run the exchange in FSDP's all-reduce hook during
             backward (overlapping it); ``False`` runs it in ``optimizer.step()`` (same result, no overlap).
+        grad_scaler (`torch.amp.GradScaler`, *optional*): fp16 loss scaling with ``in_backward=True``: the scaler that
+            scales the loss, whose scale the hook divides out (as :class:`birder_hf.BirderHookState`); the step()
+            path gets the scale from the scaler's ``step()`` and needs nothing.
+
+    A parameter no rank used in a step (a branch not taken) is not stepped on either path, and its ``m`` and ``b``
+    stay as they were, as under DDP, also with ``set_reduce_scatter_unused_params(True)`` (FSDP then hands over zeros
+    for it; ``in_backward=True`` sets it, so that ranks that used different parameters reduce the same layout).
 
     Returns:
         The communicator: :class:`FSDPHookState` (``in_backward=True``) or
@@ -403,7 +449,13 @@ def register_birder_fsdp(
     inner = _refuse_wrappers(model)
     grid = _shard_grid(mesh)
     _check_model(inner, opt, grid)
-    units = fsdp_units(inner) if in_backward else []
+    if in_backward:
+        units = fsdp_units(inner)
+    else:
+        try:
+            units = fsdp_units(inner)
+        except RuntimeError:  # a torch whose FSDP2 internals moved: unused parameters are those whose .grad is None
+            units = None
     if in_backward and not units:
         raise ValueError(
             "register_birder_fsdp found no FSDP2 module with parameters in the model; wrap it with "
@@ -431,8 +483,17 @@ def register_birder_fsdp(
             agree_group=everyone,
             what="register_birder_fsdp",
         )
+        usage = None
+        if units is not None:
+            usage = UsageMarks()
+            _watch_units(units, usage)
         communicator = StepAllReduce(
-            topology=topology, method=method, inter_method=inter_method, chunk_numel=chunk_numel, agree_group=everyone
+            topology=topology,
+            method=method,
+            inter_method=inter_method,
+            chunk_numel=chunk_numel,
+            agree_group=everyone,
+            usage=usage,
         )
         communicator.attach(opt)
         return communicator
@@ -444,8 +505,11 @@ def register_birder_fsdp(
         chunk_numel=chunk_numel,
         check_finite=check_finite,
         agree_group=everyone,
+        grad_scaler=grad_scaler,
     )
     try:
+        if check_finite:
+            state.watch_units(units)
         for index, unit in enumerate(units):
             # include the zero gradients of unused parameters, so every unit's output has its full layout (older
             # torch has no such switch: a unit with an unused parameter then fails with a clear error in backward)

@@ -66,6 +66,10 @@ class BirderHookState(HookState):
             all-reduce). With ``check_finite=False``, use ``zero_grad(set_to_none=True)`` (the default) for that.
         agree_group (`ProcessGroup`, *optional*): the ranks that agree a step is finite; defaults to the
             topology's (``birder_hf.fsdp`` passes every rank of the mesh).
+        grad_scaler (`torch.amp.GradScaler`, *optional*): the scaler that scales the loss (fp16). The hook reads the
+            scale each backward used and encodes ``g / S`` (exact: S is a power of two), so ``m`` and ``b`` are those
+            of the unscaled run through every back-off and growth; ``step()`` refuses a scaled step from a scaler whose
+            scale differs from the one the hook read (without it: 1).
     """
 
     optimizer_class = Birder
@@ -84,10 +88,13 @@ class BirderHookState(HookState):
         chunk_numel: int | None = None,
         check_finite: bool = True,
         agree_group=None,
+        grad_scaler=None,
     ):
         self.method, self.inter_method, self.chunk_numel = method, inter_method, chunk_numel
         self._scratch: dict[torch.Tensor, StateBuffers] = {}  # param -> the buffers its next step writes into
-        super().__init__(optimizer, topology, check_finite=check_finite, agree_group=agree_group)
+        super().__init__(
+            optimizer, topology, check_finite=check_finite, agree_group=agree_group, grad_scaler=grad_scaler
+        )
 
     def _check_setup(self, optimizer, topology) -> None:
         check_settings(self.method, self.inter_method, self.chunk_numel)
@@ -199,7 +206,13 @@ def _start_bucket(state: BirderHookState, opt: Birder, bucket, buffer: torch.Ten
         staged = EncodeOut(
             [b.exp_avg for b in bufs], [b.exp_avg_abs for b in bufs], [b.max_exp_avg_abs for b in bufs], us
         )
-        opt.encode(group, ps, gs, out=staged if amsgrad else staged._replace(max_exp_avg_abss=None))
+        opt.encode(
+            group,
+            ps,
+            gs,
+            out=staged if amsgrad else staged._replace(max_exp_avg_abss=None),
+            grad_scale=state.loss_scale(),
+        )
         for p, b in zip(ps, bufs):
             state._stage(p, group, b)
 
@@ -246,13 +259,15 @@ def attach_ddp_hook(
     inter_method: str = DEFAULT_INTER_METHOD,
     chunk_numel: int | None = None,
     check_finite: bool = True,
+    grad_scaler=None,
 ):
     """Register the 1-bit hook of ``optimizer`` on the DDP ``model``: ``birder_hook`` for a ``Birder``,
     ``onebit_adam_hook`` for a ``OneBitAdam`` (1-bit Adam has one exchange: ``method``, ``inter_method`` and
     ``chunk_numel`` apply to Birder only; they are validated either way). Returns the hook state.
 
     ``model`` may be ``torch.compile``-d; ``optimizer`` may be wrapped (accelerate, Lightning). If DDP refuses
-    the hook (one is registered already), the optimizer is left as it was.
+    the hook (one is registered already), the optimizer is left as it was. With fp16 loss scaling pass the
+    ``GradScaler`` as ``grad_scaler`` (Birder only; see :class:`BirderHookState`).
     """
     try:  # this rank's checks; a failure stops every rank together (agree_setup), as the hook states' own checks do
         check_settings(method, inter_method, chunk_numel)
@@ -266,10 +281,17 @@ def attach_ddp_hook(
         agree_setup(setup_group(topology), None, exc, what="attach_ddp_hook")
         raise  # not reached: agree_setup raises
     if isinstance(opt, OneBitAdam):
-        state, hook = OneBitAdamHookState(opt, topology=topology, check_finite=check_finite), onebit_adam_hook
+        state = OneBitAdamHookState(opt, topology=topology, check_finite=check_finite, grad_scaler=grad_scaler)
+        hook = onebit_adam_hook
     else:
         state = BirderHookState(
-            opt, topology, method, inter_method=inter_method, chunk_numel=chunk_numel, check_finite=check_finite
+            opt,
+            topology,
+            method,
+            inter_method=inter_method,
+            chunk_numel=chunk_numel,
+            check_finite=check_finite,
+            grad_scaler=grad_scaler,
         )
         hook = birder_hook
     try:

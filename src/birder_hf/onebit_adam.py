@@ -360,9 +360,11 @@ class OneBitAdamHookState(HookState):
 
     __slots__ = ("warmup_steps", "compressed_steps")
 
-    def __init__(self, optimizer: OneBitAdam, topology: Topology | None = None, *, check_finite: bool = True):
+    def __init__(
+        self, optimizer: OneBitAdam, topology: Topology | None = None, *, check_finite: bool = True, grad_scaler=None
+    ):
         self.warmup_steps = self.compressed_steps = 0
-        super().__init__(optimizer, topology, check_finite=check_finite)
+        super().__init__(optimizer, topology, check_finite=check_finite, grad_scaler=grad_scaler)
 
     def _check_setup(self, optimizer, topology) -> None:
         super()._check_setup(optimizer, topology)

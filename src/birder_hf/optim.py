@@ -22,6 +22,7 @@ into ``d`` is the job of its communicator (``birder_hf.base``, ``docs/ARCHITECTU
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import NamedTuple
 
@@ -227,14 +228,21 @@ class Birder(OneBitOptimizer):
         return state
 
     def encode(
-        self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor], *, out: EncodeOut | None = None
+        self,
+        group: dict,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        *,
+        out: EncodeOut | None = None,
+        grad_scale: float = 1.0,
     ) -> list[torch.Tensor]:
         """Encode ``params`` of ``group`` and return ``u``.
 
         Without ``out``: count a step and update their ``m`` and ``b`` in place. With ``out``: leave the state alone
         and write the new ``m``, ``b`` (and ``u``) into ``out`` (staged: :meth:`commit_state` makes them the state).
         Callers check every parameter of the step with :meth:`check_state_matches` first. Sharded parameters and
-        gradients (``DTensor``) are encoded on their local shards.
+        gradients (``DTensor``) are encoded on their local shards. ``grad_scale``: the loss scale ``grads`` carry
+        (fp16 with a ``GradScaler``); the state gets ``grads / grad_scale``.
         """
         states = [self.init_state(p, group) for p in params]
         us = birder_encode(
@@ -246,6 +254,7 @@ class Birder(OneBitOptimizer):
             maximize=group["maximize"],
             foreach=group["foreach"],
             out=out,
+            grad_scale=grad_scale,
         )
         if out is None:  # counted once the math is done: a failure above leaves every counter as it was
             for s in states:
@@ -364,6 +373,7 @@ def birder_encode(
     maximize: bool = False,
     foreach: bool | None = None,
     out: EncodeOut | None = None,
+    grad_scale: float = 1.0,
 ) -> list[torch.Tensor]:
     r"""Birder's encoder: :math:`m \leftarrow \beta m + (1-\beta) g`, :math:`b \leftarrow \beta b + (1-\beta)|g|`
     (and :math:`\max b` with amsgrad); returns :math:`u = m / b` (0 where :math:`b = 0`), in ``[-1, 1]``.
@@ -371,11 +381,18 @@ def birder_encode(
     Updates the state in place, or, with ``out``, leaves it alone and writes the new values into ``out``'s
     buffers (``out.us=None``: new tensors for ``u``). The single- and multi-tensor paths take the same arguments
     and give the same bits.
+
+    ``grad_scale``: a loss scale ``S`` the gradients carry (fp16 loss scaling); ``m`` and ``b`` take ``g / S`` through
+    the EMA's weight, ``(1 - beta) / S``, with no temporary. For a power of two ``S`` (``GradScaler``'s scales are)
+    ``(1 - beta) / S`` is exact, and so the state is bit for bit that of the unscaled gradients ``g``.
     """
+    if not (isinstance(grad_scale, (int, float)) and math.isfinite(grad_scale) and grad_scale > 0):
+        raise ValueError(f"grad_scale={grad_scale!r} must be a finite number > 0 (the loss scale of the gradients).")
     if foreach is None:
         foreach = bool(grads) and all(g.is_cuda for g in grads)
     fn = _multi_tensor_encode if foreach else _single_tensor_encode
-    return fn(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, beta=beta, maximize=maximize, out=out)
+    weight = (1 - beta) / grad_scale
+    return fn(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, beta=beta, weight=weight, maximize=maximize, out=out)
 
 
 def birder_apply(params: list[torch.Tensor], directions: list[torch.Tensor], *, lr: float, weight_decay: float):
@@ -435,15 +452,15 @@ def birder(
     return ds
 
 
-def _single_tensor_encode(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, *, beta, maximize, out):
+def _single_tensor_encode(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, *, beta, weight, maximize, out):
     us = []
     for i, (g, m, b) in enumerate(zip(grads, exp_avgs, exp_avg_abss)):
         m_out, b_out = (out.exp_avgs[i], out.exp_avg_abss[i]) if out is not None else (m, b)
         g = g.to(m.dtype)
         if maximize:
             g = -g
-        torch.mul(m, beta, out=m_out).add_(g, alpha=1 - beta)
-        torch.mul(b, beta, out=b_out).add_(g.abs(), alpha=1 - beta)
+        torch.mul(m, beta, out=m_out).add_(g, alpha=weight)
+        torch.mul(b, beta, out=b_out).add_(g.abs(), alpha=weight)
         denom = b_out
         if max_exp_avg_abss is not None:
             bmax_out = out.max_exp_avg_abss[i] if out is not None else max_exp_avg_abss[i]
@@ -456,7 +473,7 @@ def _single_tensor_encode(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, *, be
     return us
 
 
-def _multi_tensor_encode(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, *, beta, maximize, out):
+def _multi_tensor_encode(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, *, beta, weight, maximize, out):
     if not grads:
         return []
     grads = [g.to(m.dtype) for g, m in zip(grads, exp_avgs)]
@@ -470,9 +487,9 @@ def _multi_tensor_encode(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, *, bet
         if max_exp_avg_abss is not None:
             torch._foreach_copy_(bmaxs, max_exp_avg_abss)
     torch._foreach_mul_(ms, beta)
-    torch._foreach_add_(ms, grads, alpha=1 - beta)
+    torch._foreach_add_(ms, grads, alpha=weight)
     torch._foreach_mul_(bs, beta)
-    torch._foreach_add_(bs, torch._foreach_abs(grads), alpha=1 - beta)
+    torch._foreach_add_(bs, torch._foreach_abs(grads), alpha=weight)
     denoms = bs
     if max_exp_avg_abss is not None:
         torch._foreach_maximum_(bmaxs, bs)

@@ -80,7 +80,8 @@ def register_birder_hook(accelerator, model, optimizer, *, topology: Topology | 
         mesh (`DeviceMesh`, *optional*): FSDP2: the 2-D ``(replicate, shard)`` mesh the model was sharded on
             (:func:`birder_hf.fsdp.register_birder_fsdp`); default: the mesh of the model's parameters.
         **options: the hook's settings, as :func:`birder_hf.attach_ddp_hook` takes them: ``method`` (default
-            ``"hierarchical"``), ``inter_method``, ``chunk_numel``, ``check_finite``.
+            ``"hierarchical"``), ``inter_method``, ``chunk_numel``, ``check_finite``, ``grad_scaler`` (default:
+            ``accelerator.scaler``, the fp16 loss scaler, whose scale the hook divides out).
 
     Returns:
         The hook state (its ``stats`` hold the bytes sent), or ``None`` in a single process, where
@@ -116,6 +117,8 @@ def register_birder_hook(accelerator, model, optimizer, *, topology: Topology | 
     # a bad argument on one rank stops every rank here, before Topology.from_env and the hook's own collectives
     # (the others would wait in them until the process-group timeout); one small all-gather at set-up
     agree_setup(setup_group(topology), {} if error is None else None, error, what="register_birder_hook")
+    if not isinstance(inner, OneBitAdam):
+        options.setdefault("grad_scaler", getattr(accelerator, "scaler", None))
     if accelerator.num_processes == 1:
         _register_checkpoint_hooks(accelerator, inner)
         logger.info("%s: single process, no gradient communication to compress.", type(inner).__name__)
@@ -156,7 +159,7 @@ def report_skipped_step(optimizer, skipped: bool) -> None:
 
 def _check_options(method: str = DEFAULT_METHOD, inter_method: str = DEFAULT_INTER_METHOD, **others) -> None:
     # refuse a bad setting at once, in every process (one process registers no hook)
-    unknown = set(others) - {"chunk_numel", "check_finite"}
+    unknown = set(others) - {"chunk_numel", "check_finite", "grad_scaler"}
     if unknown:
         raise TypeError(f"register_birder_hook got unknown options {sorted(unknown)}; see birder_hf.attach_ddp_hook.")
     check_settings(method, inter_method, others.get("chunk_numel"))

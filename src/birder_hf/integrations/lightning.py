@@ -246,6 +246,7 @@ class BirderDDPStrategy(DDPStrategy):
             method=self.method,
             inter_method=self.inter_method,
             chunk_numel=self.chunk_numel,
+            grad_scaler=getattr(self.precision_plugin, "scaler", None),  # "16-mixed" on GPUs: its scale is divided out
         )
         rank_zero_info(f"{type(opt).__name__}: {state.description} registered on {state.topology!r}")
         return state

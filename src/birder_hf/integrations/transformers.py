@@ -217,6 +217,7 @@ class BirderCallback(TrainerCallback):
                 method=b.method,
                 inter_method=b.inter_method,
                 chunk_numel=b.chunk_numel,
+                grad_scaler=getattr(trainer.accelerator, "scaler", None),  # fp16: the hook divides its scale out
             )
             logger.info("%s: %s on %r", type(opt).__name__, trainer.birder_hook_state.description, trainer.birder_mesh)
             return
@@ -227,6 +228,7 @@ class BirderCallback(TrainerCallback):
             method=b.method,
             inter_method=b.inter_method,
             chunk_numel=b.chunk_numel,
+            grad_scaler=getattr(trainer.accelerator, "scaler", None),
         )
         state = trainer.birder_hook_state
         logger.info("%s: %s registered on %r", type(opt).__name__, state.description, state.topology)
