@@ -50,7 +50,7 @@ from qa_utils import (  # noqa: E402
 )
 
 from birder_hf.collectives import release_process_groups  # noqa: E402
-from birder_hf.integrations.accelerate import check_really_distributed  # noqa: E402
+from birder_hf.integrations.accelerate import check_elastic_restart, check_really_distributed  # noqa: E402
 from birder_hf.integrations.transformers import BirderArguments, BirderTrainer  # noqa: E402
 
 logger = logging.getLogger("bert_base")
@@ -305,6 +305,7 @@ def _summary(m):
 
 
 def main(argv=None):
+    check_elastic_restart()  # torchrun --max-restarts: a restart needs a new store (before the process group)
     return train(*parse_args(argv))
 
 

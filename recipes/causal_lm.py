@@ -50,7 +50,7 @@ from stdlib_text import read_split, stdlib_corpus, token_blocks, train_bpe_token
 
 from birder_hf.base import local_tensor, unwrap_optimizer  # noqa: E402
 from birder_hf.collectives import release_process_groups  # noqa: E402
-from birder_hf.integrations.accelerate import check_really_distributed  # noqa: E402
+from birder_hf.integrations.accelerate import check_elastic_restart, check_really_distributed  # noqa: E402
 from birder_hf.integrations.transformers import BirderArguments, BirderTrainer, HSDPTrainer  # noqa: E402
 
 logger = logging.getLogger("causal_lm")
@@ -308,6 +308,7 @@ def _summary(m):
 
 
 def main(argv=None):
+    check_elastic_restart()  # torchrun --max-restarts: a restart needs a new store (before the process group)
     return train(*parse_args(argv))
 
 

@@ -336,7 +336,7 @@ def checkpoint_problem(checkpoint_dir: str) -> str | None:
     or ``None`` if it is complete. Reads only the file system."""
     path = _marker_path(checkpoint_dir)
     if not os.path.isfile(path):
-        return f"no {MARKER}: the job stopped while writing it (or it predates completion markers)"
+        return f"no {MARKER}: the job stopped while writing it, or it predates completion markers"
     try:
         with open(path, encoding="utf-8") as f:
             payload = json.load(f)
