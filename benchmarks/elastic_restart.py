@@ -5,16 +5,18 @@ checkpoint write time per rank.
     python benchmarks/elastic_restart.py --model_config base --per_device_train_batch_size 2 \\
         --out docs/results/elastic_restart_base.json
 
-Runs ``recipes/bert_base.py`` under ``torchrun --standalone --max_restarts 1`` on ``--nproc`` CPU processes with
-``--resume_from_checkpoint auto``, a checkpoint every ``--save_steps``; rank 1 SIGKILLs itself as it starts step
-``--kill_step`` (``tests/_elastic_script.py``, which also stamps the events). The agent restarts every worker; they
-resume from the newest complete checkpoint and finish ``--max_steps``.
+Runs ``recipes/bert_base.py`` under ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --max_restarts 1``
+on ``--nproc`` CPU processes with ``--resume_from_checkpoint auto``, a checkpoint every ``--save_steps``; rank 1
+SIGKILLs itself as it starts step ``--kill_step`` (``tests/_elastic_script.py``, which also stamps the events). The
+agent restarts every worker; they resume from the newest complete checkpoint and finish ``--max_steps``.
 
 Reported (wall-clock, from the workers' own timestamps):
 - ``kill_to_restart_s``: the kill until the restarted workers' processes start (the agent notices the dead worker,
   stops the others, re-forms the rendezvous and launches them again);
-- ``restart_to_training_s``: from there until every rank begins its first step (imports, data, model, reading the
-  checkpoint: the framework's files and this rank's Birder state);
+- ``restart_to_training_s``: from there until every rank begins its first step, split at the log line that names
+  the checkpoint chosen: ``restart_to_checkpoint_chosen_s`` (imports, data, model, Trainer) and
+  ``checkpoint_chosen_to_training_s`` (reading the checkpoint: the framework's files and this rank's Birder state,
+  DDP and the hook);
 - ``kill_to_training_s``: the sum; ``steps_lost``: the kill step minus the step resumed at;
 - ``checkpoint_write_s``: per rank, seconds in the Trainer's ``_save_checkpoint`` (weights and optimizer.pt on rank 0,
   every rank's RNG and Birder state, the completion marker's all-gather) for each checkpoint;
@@ -24,6 +26,7 @@ Reported (wall-clock, from the workers' own timestamps):
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
@@ -62,6 +65,7 @@ def run(args) -> dict:
         "PYTHONPATH": os.path.join(ROOT, "src"),
         "BIRDER_TEST_KILL": json.dumps([{"at": "step", "step": args.kill_step, "ranks": [1]}]),
         "BIRDER_TEST_EVENTS": events,
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",  # a new store per attempt (docs/SETUPS.md)
     }
     began = time.time()
     res = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -76,6 +80,9 @@ def run(args) -> dict:
     firsts = [e for e in restarted if e["event"] == "first_step"]
     training = max(e["t"] for e in firsts)
     (resumed_at,) = {e["step"] for e in firsts}
+    # the restarted rank 0's "Resuming from ..." line: its time (asctime, local time) splits the restart
+    resumed = [line for line in log.splitlines() if "Resuming from" in line][-1]
+    chosen = datetime.datetime.strptime(resumed[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
     writes: dict = {}
     for e in seen:
         if e["event"] == "checkpoint":
@@ -95,11 +102,13 @@ def run(args) -> dict:
         "steps_lost": args.kill_step - resumed_at,
         "kill_to_restart_s": round(started - kill["t"], 2),
         "restart_to_training_s": round(training - started, 2),
+        "restart_to_checkpoint_chosen_s": round(chosen - started, 2),
+        "checkpoint_chosen_to_training_s": round(training - chosen, 2),
         "kill_to_training_s": round(training - kill["t"], 2),
         "checkpoint_write_s": writes,
         "checkpoint_bytes": dict(sorted(sizes.items())),
         "total_wall_s": round(wall, 1),
-        "resumed_log_line": next(line for line in log.splitlines() if "Resuming from" in line).split(": ", 1)[-1],
+        "resumed_log_line": resumed.split(": ", 1)[-1].replace(work + os.sep, ""),
     }
 
 

@@ -240,3 +240,36 @@ def test_bert_recipe_survives_a_lost_node_then_shrinks_to_the_node_left(tmp_path
     resume = ["--resume_from_checkpoint", f"{one}/checkpoint-8"]
     _torchrun(1, "recipes/bert_base.py", *common, "--output_dir", one, *resume)
     _same_bits(a, one, 1, 12)
+
+
+def test_old_checkpoints_are_rotated_away_only_after_the_new_one_is_marked_complete(tmp_path, monkeypatch):
+    """save_total_limit=1: the Trainer rotates right after writing trainer_state.json; BirderTrainer waits for the
+    marker, so a job that dies before it (here: the marker's write fails at step 3) keeps checkpoint-2."""
+    from transformers import BertConfig, BertForSequenceClassification, TrainingArguments
+
+    import birder_hf.integrations.transformers as integration
+    from birder_hf.integrations.transformers import BirderArguments, BirderTrainer
+
+    real = integration.mark_checkpoint_complete
+
+    def dies_at_step_3(folder, **kwargs):
+        if folder.endswith("checkpoint-3"):
+            raise KeyboardInterrupt("the job stops before the marker")  # not an Exception: nothing catches it
+        return real(folder, **kwargs)
+
+    monkeypatch.setattr(integration, "mark_checkpoint_complete", dies_at_step_3)
+    config = BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, num_labels=2
+    )
+    ids = torch.randint(0, 50, (32, 6), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": ids[i], "labels": int(ids[i, 0] % 2)} for i in range(32)]
+    out = str(tmp_path)
+    args = TrainingArguments(
+        output_dir=out, use_cpu=True, max_steps=4, save_steps=1, save_total_limit=1, report_to=[], disable_tqdm=True
+    )
+    trainer = BirderTrainer(model=BertForSequenceClassification(config), args=args, train_dataset=data)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-3"]  # checkpoint-1 rotated away after 2's marker
+    assert checkpoint_problem(os.path.join(out, "checkpoint-2")) is None
+    assert find_resumable_checkpoint(out) == os.path.join(out, "checkpoint-2")
