@@ -18,8 +18,9 @@ Reported (wall-clock, from the workers' own timestamps):
   ``checkpoint_chosen_to_training_s`` (reading the checkpoint: the framework's files and this rank's Birder state,
   DDP and the hook);
 - ``kill_to_training_s``: the sum; ``steps_lost``: the kill step minus the step resumed at;
-- ``checkpoint_write_s``: per rank, seconds in the Trainer's ``_save_checkpoint`` (weights and optimizer.pt on rank 0,
-  every rank's RNG and Birder state, the completion marker's all-gather) for each checkpoint;
+- ``checkpoint_write_s``: per rank and checkpoint, ``own_files_s`` writing this rank's files (weights, optimizer.pt
+  and trainer_state.json on rank 0; every rank's RNG and Birder state) and ``until_complete_s`` in the Trainer's
+  ``_save_checkpoint`` in all (the completion marker's all-gather waits for the slowest rank, then rank 0 writes it);
 - ``checkpoint_bytes``: the files of one checkpoint, by kind.
 """
 
@@ -30,6 +31,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -86,9 +88,11 @@ def run(args) -> dict:
     writes: dict = {}
     for e in seen:
         if e["event"] == "checkpoint":
-            writes.setdefault(f"rank {e['rank']}", {})[f"checkpoint-{e['step']} (attempt {e['restart']})"] = round(
-                e["seconds"], 3
-            )
+            where = f"checkpoint-{e['step']} (attempt {e['restart']})"
+            writes.setdefault(f"rank {e['rank']}", {})[where] = {
+                "own_files_s": round(e["own_seconds"], 3),
+                "until_complete_s": round(e["seconds"], 3),
+            }
     ckpt = os.path.join(out, f"checkpoint-{args.save_steps}")
     sizes: dict = {}
     for root, _, names in os.walk(ckpt):
@@ -96,6 +100,7 @@ def run(args) -> dict:
             kind = "birder per-rank state" if os.path.basename(root) == "birder" else name
             kind = "rng state (per rank)" if name.startswith("rng_state") else kind
             sizes[kind] = sizes.get(kind, 0) + os.path.getsize(os.path.join(root, name))
+    shutil.rmtree(work)
     return {
         "kill_step": args.kill_step,
         "resumed_at_step": resumed_at,

@@ -20,6 +20,8 @@ name (recorded with each file's SHA-256 in ``data_manifest.json``) and validatio
         --block_size 1024 --per_device_train_batch_size 8 --max_steps 20000 --output_dir outputs/gpt2_hsdp
 
 Any `TrainingArguments` flag works; a single .json or .yaml argument is read as the whole configuration.
+`--resume_from_checkpoint auto` resumes from the newest checkpoint complete on every rank (elastic restarts:
+docs/SETUPS.md, "Fault tolerance").
 """
 
 from __future__ import annotations

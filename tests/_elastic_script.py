@@ -14,7 +14,8 @@ cleaned up, as a lost machine would, once (the events file remembers it):
 
 ``BIRDER_TEST_EVENTS`` names a file that gets one JSON line per event with its wall-clock time: ``start`` (the
 process began), ``first_step`` (training again: this attempt's first step begins, at ``step`` steps done), ``kill``,
-``checkpoint`` (``seconds`` this rank spent in the Trainer's ``_save_checkpoint``).
+``checkpoint`` (``seconds`` this rank spent in the Trainer's ``_save_checkpoint``, ``own_seconds`` of them before the
+completion marker's all-gather, which waits for the slowest rank).
 """
 
 import faulthandler
@@ -90,10 +91,21 @@ def main():
             return super()._save_rng_state(output_dir)
 
         def _save_checkpoint(self, model, trial):
-            began = time.time()
+            began = marking[0] = time.time()
             super()._save_checkpoint(model, trial)
-            record("checkpoint", step=self.state.global_step, seconds=time.time() - began)
+            ended = time.time()
+            # own: this rank's writes, until the completion marker's all-gather waits for the other ranks
+            record("checkpoint", step=self.state.global_step, seconds=ended - began, own_seconds=marking[0] - began)
 
+    import birder_hf.integrations.transformers as integration
+
+    marking, mark = [0.0], integration.mark_checkpoint_complete
+
+    def timed_mark(*args, **kwargs):
+        marking[0] = time.time()
+        return mark(*args, **kwargs)
+
+    integration.mark_checkpoint_complete = timed_mark
     recipe.BirderTrainer = KillableTrainer
     recipe.main(sys.argv[2:])
     recipe.release_process_groups()
