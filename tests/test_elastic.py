@@ -187,7 +187,8 @@ def test_a_restart_without_a_new_store_stops_with_the_fix(tmp_path):
 @pytest.mark.slow
 def test_causal_lm_recipe_restarts_by_itself_after_a_sigkill(tmp_path):
     a, b, events = str(tmp_path / "elastic"), str(tmp_path / "reference"), str(tmp_path / "events.jsonl")
-    common = [*LM_TINY, "--cache_dir", str(tmp_path / "data"), "--max_steps", "9", "--save_steps", "3"]
+    common = [*LM_TINY, "--cache_dir", str(tmp_path / "data"), "--max_steps", "9"]
+    common += ["--save_strategy", "steps", "--save_steps", "3"]
     kills = [{"at": "step", "step": 5, "ranks": [1]}, {"at": "save", "step": 6, "ranks": [1]}]
     argv = [*common, "--output_dir", a, "--resume_from_checkpoint", "auto"]
     log = _finish(_elastic(2, "recipes/causal_lm.py", argv, kills, events))
