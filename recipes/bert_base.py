@@ -17,7 +17,9 @@ through the same path real SQuAD files take) and reports SQuAD exact match / F1.
         --per_device_train_batch_size 12 --bf16 --output_dir outputs/bert_base_squad
 
 Any `TrainingArguments` flag works (--max_steps, --save_steps, --resume_from_checkpoint, --seed, --report_to,
---push_to_hub, ...). A single .json or .yaml argument is read as the whole configuration.
+--push_to_hub, ...). A single .json or .yaml argument is read as the whole configuration. Under
+`torchrun --max-restarts N`, `--resume_from_checkpoint auto` resumes from the newest checkpoint complete on every rank
+(docs/SETUPS.md, "Fault tolerance").
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from qa_utils import (  # noqa: E402
 )
 
 from birder_hf.collectives import release_process_groups  # noqa: E402
-from birder_hf.integrations.accelerate import check_really_distributed  # noqa: E402
+from birder_hf.integrations.accelerate import check_elastic_restart, check_really_distributed  # noqa: E402
 from birder_hf.integrations.transformers import BirderArguments, BirderTrainer  # noqa: E402
 
 logger = logging.getLogger("bert_base")
@@ -322,6 +324,7 @@ def _summary(m):
 
 
 def main(argv=None):
+    check_elastic_restart()  # torchrun --max-restarts: a restart needs a new store (before the process group)
     return train(*parse_args(argv))
 
 

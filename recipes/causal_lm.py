@@ -20,6 +20,8 @@ name (recorded with each file's SHA-256 in ``data_manifest.json``) and validatio
         --block_size 1024 --per_device_train_batch_size 8 --max_steps 20000 --output_dir outputs/gpt2_hsdp
 
 Any `TrainingArguments` flag works; a single .json or .yaml argument is read as the whole configuration.
+`--resume_from_checkpoint auto` resumes from the newest checkpoint complete on every rank (elastic restarts:
+docs/SETUPS.md, "Fault tolerance").
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from stdlib_text import read_split, stdlib_corpus, token_blocks, train_bpe_token
 
 from birder_hf.base import local_tensor, unwrap_optimizer  # noqa: E402
 from birder_hf.collectives import release_process_groups  # noqa: E402
-from birder_hf.integrations.accelerate import check_really_distributed  # noqa: E402
+from birder_hf.integrations.accelerate import check_elastic_restart, check_really_distributed  # noqa: E402
 from birder_hf.integrations.transformers import BirderArguments, BirderTrainer, HSDPTrainer  # noqa: E402
 
 logger = logging.getLogger("causal_lm")
@@ -316,6 +318,7 @@ def _summary(m):
 
 
 def main(argv=None):
+    check_elastic_restart()  # torchrun --max-restarts: a restart needs a new store (before the process group)
     return train(*parse_args(argv))
 
 

@@ -18,11 +18,20 @@ Resuming with another world size is allowed on purpose: rank ``r`` loads the sta
 ``r mod old_world_size`` and a warning says so. Every saved state is a valid estimate of the same
 gradient statistics; only the per-rank history changes. A missing or unreadable file for the current
 layout is an error, never a silent reset.
+
+A checkpoint is usable only if every rank's file was written, and the framework's files with them. So, once every
+rank has written everything, :func:`mark_checkpoint_complete` writes ``birder_complete.json`` last and atomically:
+the world size and the name and size of every file of the checkpoint. :func:`find_resumable_checkpoint` (what
+``--resume_from_checkpoint auto`` runs after an elastic restart) takes the newest ``checkpoint-N`` whose marker is
+there and whose files are all there with those sizes; a newer one without it (the job died while writing it) is
+named in the log and left as it is.
 """
 
 from __future__ import annotations
 
 import errno
+import json
+import logging
 import numbers
 import os
 import re
@@ -43,12 +52,21 @@ __all__ = [
     "read_own_rank_state",
     "rank_state_path",
     "disk_full_error",
+    "mark_checkpoint_complete",
+    "clear_completion_marker",
+    "checkpoint_problem",
+    "find_resumable_checkpoint",
     "SUBDIR",
+    "MARKER",
 ]
+
+logger = logging.getLogger(__name__)
 
 SUBDIR = "birder"
 _FORMAT = 1
 _NAME = re.compile(r"^rank_(\d{5})-of-(\d{5})\.pt$")
+MARKER = "birder_complete.json"  # in the checkpoint folder, beside the framework's files; written last
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")  # the Trainer's folder names (accelerate's and Lightning's differ)
 
 
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -241,3 +259,131 @@ def load_rank_state(optimizer, checkpoint_dir: str, *, rank: int | None = None, 
     rank raises (:func:`read_own_rank_state`)."""
     opt = _one_bit(optimizer, "load_rank_state")
     opt.load_state_dict(read_own_rank_state(opt, checkpoint_dir, rank=rank, world_size=world_size))
+
+
+def _marker_path(checkpoint_dir: str) -> str:
+    return os.path.join(checkpoint_dir, MARKER)
+
+
+def _checkpoint_files(checkpoint_dir: str) -> dict[str, int]:
+    """Every file of the checkpoint (``/``-separated relative path -> bytes), not the marker nor temporary files."""
+    files = {}
+    for root, dirs, names in os.walk(checkpoint_dir):
+        dirs.sort()
+        for name in sorted(names):
+            rel = os.path.relpath(os.path.join(root, name), checkpoint_dir).replace(os.sep, "/")
+            if name.startswith(".tmp-") or rel == MARKER:
+                continue
+            files[rel] = os.path.getsize(os.path.join(root, name))
+    return files
+
+
+def clear_completion_marker(checkpoint_dir: str) -> None:
+    """Remove the completion marker of a checkpoint about to be written again (it is not complete until marked)."""
+    try:
+        os.unlink(_marker_path(checkpoint_dir))
+    except FileNotFoundError:
+        pass
+
+
+def mark_checkpoint_complete(
+    checkpoint_dir: str, *, rank: int | None = None, world_size: int | None = None, write: bool | None = None
+) -> str | None:
+    """Mark ``checkpoint_dir`` complete: call it on every rank once that rank has written all its files there.
+
+    Collective when ``torch.distributed`` runs ``world_size`` ranks: one all-gather (also the barrier that every rank
+    has finished writing) checks that every rank's Birder state is in place (each rank looks at its own file, so
+    per-node disks work too). Then the writers (``write``; default: rank 0; the Trainer passes ``should_save``) write
+    ``birder_complete.json``: the world size and the size of every file they see, to a temporary file renamed into
+    place, so the marker is whole or absent. Raises ``RuntimeError`` naming the ranks whose file is missing (and
+    writes no marker). Returns the marker's path on the writers, else ``None``.
+    """
+    rank, world_size = _rank_and_world(rank, world_size)
+    own = rank_state_path(checkpoint_dir, rank, world_size)
+    mine = None if os.path.isfile(own) else f"rank {rank} has no {own}"
+    reports = [mine]
+    import torch.distributed as dist
+
+    if world_size > 1 and dist.is_available() and dist.is_initialized() and dist.get_world_size() == world_size:
+        reports = [None] * world_size
+        dist.all_gather_object(reports, mine)
+    missing = [r for r in reports if r is not None]
+    if missing:
+        raise RuntimeError(
+            f"Checkpoint {checkpoint_dir} was not marked complete: {'; '.join(missing)}. Every rank saves its Birder "
+            "state (save_rank_state) before mark_checkpoint_complete; a resume will not choose this checkpoint."
+        )
+    if not (rank == 0 if write is None else write):
+        return None
+    path = _marker_path(checkpoint_dir)
+    payload = {"format": _FORMAT, "world_size": world_size, "files": _checkpoint_files(checkpoint_dir)}
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=os.path.dirname(path))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(payload, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def checkpoint_problem(checkpoint_dir: str) -> str | None:
+    """Why ``checkpoint_dir`` cannot be resumed from (no completion marker, a listed file missing or of another size),
+    or ``None`` if it is complete. Reads only the file system."""
+    path = _marker_path(checkpoint_dir)
+    if not os.path.isfile(path):
+        return f"no {MARKER}: the job stopped while writing it, or it predates completion markers"
+    try:
+        with open(path, encoding="utf-8") as f:
+            payload = json.load(f)
+    except (OSError, ValueError) as exc:
+        return f"its {MARKER} is unreadable ({type(exc).__name__}: {exc})"
+    if not isinstance(payload, dict) or payload.get("format") != _FORMAT or not isinstance(payload.get("files"), dict):
+        return f"its {MARKER} is not a birder_hf completion marker (format {_FORMAT})"
+    for rel, size in sorted(payload["files"].items()):
+        full = os.path.join(checkpoint_dir, *rel.split("/"))
+        if not os.path.isfile(full):
+            return f"{rel} is missing"
+        if os.path.getsize(full) != size:
+            return f"{rel} has {os.path.getsize(full)} bytes, {size} when it was marked complete"
+    return None
+
+
+def _newest_complete_checkpoint(output_dir: str) -> str | None:
+    found = []
+    if os.path.isdir(output_dir):
+        for name in os.listdir(output_dir):
+            m = _CHECKPOINT.match(name)
+            if m and os.path.isdir(os.path.join(output_dir, name)):
+                found.append((int(m.group(1)), os.path.join(output_dir, name)))
+    for _, folder in sorted(found, reverse=True):
+        problem = checkpoint_problem(folder)
+        if problem is None:
+            logger.info("Resuming from %s, the newest checkpoint complete on every rank.", folder)
+            return folder
+        logger.warning("Not resuming from %s (%s); it is left as it is.", folder, problem)
+    logger.info("No complete checkpoint in %s: starting fresh.", output_dir)
+    return None
+
+
+def find_resumable_checkpoint(output_dir: str) -> str | None:
+    """The newest ``output_dir/checkpoint-N`` that is complete on every rank (:func:`checkpoint_problem`), or ``None``.
+
+    What ``--resume_from_checkpoint auto`` resolves to (``BirderTrainer.train``). Newer folders that are not complete
+    are named in the log (warning) and left alone; the choice, or "starting fresh", is one log line. Collective when
+    ``torch.distributed`` is initialized: rank 0 looks and every rank gets its answer (one broadcast), so all ranks
+    resume from the same checkpoint.
+    """
+    import torch.distributed as dist
+
+    on = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    choice = [None]
+    if not on or dist.get_rank() == 0:
+        choice[0] = _newest_complete_checkpoint(output_dir)
+    if on:
+        dist.broadcast_object_list(choice, src=0)
+    return choice[0]

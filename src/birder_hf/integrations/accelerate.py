@@ -48,7 +48,7 @@ from ..hook import attach_ddp_hook
 from ..onebit_adam import OneBitAdam
 from ..topology import Topology
 
-__all__ = ["register_birder_hook", "check_really_distributed", "report_skipped_step"]
+__all__ = ["register_birder_hook", "check_really_distributed", "check_elastic_restart", "report_skipped_step"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,27 @@ def check_really_distributed(num_processes: int) -> None:
             f"The launcher started WORLD_SIZE={env_world} processes but this one sees a world of {num_processes}: "
             "the processes are not really distributed. On CPU use `ACCELERATE_USE_CPU=1 accelerate launch "
             "--multi_gpu --num_processes N ...` or `torchrun --nproc_per_node N ...` (see accelerate_configs/)."
+        )
+
+
+def check_elastic_restart() -> None:
+    """Raise, before the process group is set up, if torchrun restarted this worker on the store of the last attempt.
+
+    torchrun's c10d rendezvous shares its TCPStore with the workers by default (``TORCHELASTIC_USE_AGENT_STORE=True``)
+    and, in torch 2.14.1 (measured: ``tests/test_elastic.py``), keeps that store across restarts: a restarted worker
+    reads the addresses the previous attempt's ranks published and the process group's setup fails after its connect
+    timeouts, so every restart fails the same way (pytorch/pytorch#135712). With
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment each attempt gets a new store, and a restart
+    resumes. Call this first in a script run
+    with ``torchrun --max-restarts N`` (before ``TrainingArguments`` or ``Accelerator`` set up the process group).
+    """
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart not in ("", "0") and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise RuntimeError(
+            f"torchrun restarted this worker (TORCHELASTIC_RESTART_COUNT={restart}) on the store it shares across "
+            "attempts (TORCHELASTIC_USE_AGENT_STORE=True): the process group would connect to the addresses of the "
+            "previous attempt and fail (pytorch/pytorch#135712). Launch torchrun with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (every node)."
         )
 
 

@@ -13,7 +13,10 @@ when Birder skipped a step), and protected methods of the Trainer: ``_save_optim
 writes every rank's Birder state into the very folder the Trainer saves to (``run-*/checkpoint-N`` in a
 hyperparameter search), inside the checkpoint step (a callback's ``on_save`` runs after the Trainer has marked the
 checkpoint complete and rotated old ones away, so a failed write there could leave no complete checkpoint);
-``_save_checkpoint`` says when the disk is full; ``_get_grad_norm`` (see below).
+``_save_checkpoint`` says when the disk is full and marks the checkpoint complete once every rank has written it
+(``birder_hf.checkpoint.mark_checkpoint_complete``; old checkpoints are rotated away only after that), so that
+``train(resume_from_checkpoint="auto")`` (``--resume_from_checkpoint auto``: what an elastic restart runs) resumes
+from the newest checkpoint complete on every rank, or starts fresh; ``_get_grad_norm`` (see below).
 For your own Trainer subclass: ``class MyTrainer(BirderTrainerMixin, Seq2SeqTrainer): ...``.
 ``optimizer_cls_and_kwargs=(Birder, {...})`` and ``optimizers=(Birder(...), None)`` work too.
 
@@ -52,7 +55,14 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..base import OneBitOptimizer, is_integer, unwrap_optimizer
-from ..checkpoint import disk_full_error, read_own_rank_state, save_rank_state
+from ..checkpoint import (
+    clear_completion_marker,
+    disk_full_error,
+    find_resumable_checkpoint,
+    mark_checkpoint_complete,
+    read_own_rank_state,
+    save_rank_state,
+)
 from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, INTER_METHODS, METHODS, check_settings
 from ..communicators import HookState
 from ..fsdp import hsdp_mesh, register_birder_fsdp, shard_model
@@ -65,7 +75,7 @@ from .accelerate import check_really_distributed, report_skipped_step
 
 try:
     from transformers import Trainer, TrainerCallback
-    from transformers.trainer_utils import get_last_checkpoint
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "birder_hf.integrations.transformers needs transformers: pip install 'birder-hf[transformers]'"
@@ -404,8 +414,19 @@ class BirderTrainerMixin(ShardedTrainerMixin):
         save_rank_state(self.optimizer, output_dir, rank=self.args.process_index, world_size=self.args.world_size)
 
     def _save_checkpoint(self, model, trial) -> None:
+        args = self.args
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if args.should_save:
+            clear_completion_marker(folder)  # written again: not complete until every rank has written it
+        # old checkpoints are rotated away only once this one is marked complete (the Trainer rotates right after
+        # writing trainer_state.json, while other ranks may still be writing)
+        limit, args.save_total_limit = args.save_total_limit, None
         try:
             super()._save_checkpoint(model, trial)
+            if not args.save_only_model:  # no optimizer state: nothing to resume from
+                mark_checkpoint_complete(
+                    folder, rank=args.process_index, world_size=args.world_size, write=args.should_save
+                )
         except Exception as exc:
             step = f"checkpoint-{self.state.global_step}"
             kept = f"The new {step} is incomplete (delete it); the checkpoints saved before it are kept"
@@ -416,6 +437,15 @@ class BirderTrainerMixin(ShardedTrainerMixin):
                 exc.add_note(f"birder_hf: {kept}.")
                 raise
             raise full from exc
+        finally:
+            args.save_total_limit = limit
+        if args.should_save:
+            rotate_checkpoints(
+                output_dir=self._get_output_dir(trial=trial),
+                save_total_limit=limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         # the Trainer loads rank 0's optimizer.pt into every rank: this rank's own state wins (sharded m, b would not
@@ -428,7 +458,9 @@ class BirderTrainerMixin(ShardedTrainerMixin):
         return super()._load_optimizer_and_scheduler(checkpoint)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        if resume_from_checkpoint is True:
+        if resume_from_checkpoint == "auto":  # the newest checkpoint complete on every rank; none: a fresh start
+            resume_from_checkpoint = find_resumable_checkpoint(self._get_output_dir(kwargs.get("trial")))
+        elif resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(f"No checkpoint found in {self.args.output_dir} to resume from.")
