@@ -107,7 +107,7 @@ class HookState(Communicator):
         # settings
         "optimizer",
         "topology",
-        "agree_group",
+        "_agree_group",  # None: the topology's world group (read through agree_group, so close() can release it)
         "check_finite",
         # per-step buffers
         "_pending",
@@ -144,7 +144,7 @@ class HookState(Communicator):
         self.topology = topology if topology is not None else Topology.flat()
         # the ranks that agree a step is finite: the topology's (DDP), or every rank of the mesh (FSDP, whose
         # topology spans only this rank's replicas)
-        self.agree_group = self.topology.world_group if agree_group is None else agree_group
+        self._agree_group = agree_group
         self.check_finite = bool(check_finite)
         self._pending: dict[torch.Tensor, Staged] = {}
         self._flags: list[torch.Tensor] = []
@@ -185,6 +185,11 @@ class HookState(Communicator):
                     value = group[key]
                     out[f"param group {i} {key}"] = float(value) if isinstance(value, torch.Tensor) else value
         return out
+
+    @property
+    def agree_group(self):
+        """The ranks that agree a step is finite: the topology's (DDP), or every rank of the mesh (FSDP)."""
+        return self.topology.world_group if self._agree_group is None else self._agree_group
 
     def _agree_settings(self, optimizer) -> None:
         # Collective: one all-gather when the hook state is built, so that ranks set up differently (a method, a
@@ -237,7 +242,6 @@ class HookState(Communicator):
             return
         self._close_step()
         self.detach()
-        self.agree_group = None  # the topology's world group (DDP): let close() release it
         self.topology.close()
 
     # ------------------------------------------------------------------------------------------ buckets
@@ -481,8 +485,13 @@ class StepAllReduce(Communicator):
         elif not isinstance(topology, Topology):
             raise TypeError(f"topology must be a birder_hf.Topology, got {type(topology).__name__}.")
         self.topology, self.method, self.inter_method, self.chunk_numel = topology, method, inter_method, chunk_numel
-        self.agree_group = topology.world_group if agree_group is None else agree_group
+        self._agree_group = agree_group  # None: the topology's world group (not held here: the exit handler frees it)
         self.stats = CommStats()
+
+    @property
+    def agree_group(self):
+        """The ranks that agree on skipped steps and used parameters."""
+        return self.topology.world_group if self._agree_group is None else self._agree_group
 
     def amp_scaling(self) -> bool:
         # every rank must call step(): its all-reduce agrees on skipping; u = m / b does not depend on the scale

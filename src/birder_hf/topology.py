@@ -20,11 +20,17 @@ the two streams of collectives could be issued in different orders on different 
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
 __all__ = ["Topology"]
+
+# The topologies that built process groups and were not closed yet. At exit, birder_hf closes them (after the 1-bit
+# all-reduce's callbacks are released, ``collectives._release_at_exit``): a group whose last reference would otherwise
+# go at the interpreter's finalization has its threads joined there, which aborted finished runs under load.
+_OPEN: weakref.WeakSet = weakref.WeakSet()
 
 
 def _require_initialized(where: str) -> None:
@@ -110,6 +116,11 @@ class Topology:
             raise ValueError(f"{self.num_nodes} nodes x {self.local_world_size} ranks != world size {self.world_size}")
         object.__setattr__(self, "intra_ranks", tuple(self.intra_ranks))
         object.__setattr__(self, "inter_ranks", tuple(self.inter_ranks))
+        if self.owned_groups:
+            from .collectives import _LIVE  # the exit handler that closes it (collectives imports this module)
+
+            _OPEN.add(self)
+            _LIVE.register_exit_handler()
 
     # ----------------------------------------------------------------------------------- constructors
     @classmethod
@@ -333,6 +344,15 @@ class Topology:
             object.__setattr__(self, name, None)
         object.__setattr__(self, "owned_groups", ())
         object.__setattr__(self, "closed", True)
+        _OPEN.discard(self)
+
+    @staticmethod
+    def close_open() -> None:
+        """Close every topology that built process groups and is still open (the exit handler calls it once the 1-bit
+        all-reduce's callbacks are released, so that no group of birder_hf's lives into the interpreter's
+        finalization)."""
+        for topology in list(_OPEN):
+            topology.close()
 
     def _check_open(self) -> None:
         if self.closed:
