@@ -4,9 +4,10 @@
 
 Takes the README's DDP snippet as written (``close``) and as users wrote it before ``state.close()`` was added
 (``no_close``: the same lines without it; ``dist.destroy_process_group()`` stays), and runs each ``--runs`` times, in
-turn, through ``torchrun --standalone --nproc_per_node 2`` while two busy loops hold the cores. A run fails when torchrun
-exits non-zero or any output says ``terminate called`` (the SIGABRT seen at shutdown). ``--src`` runs a copy of the
-package (say, a snapshot of a commit) instead of this checkout's ``src/``. The JSON is rewritten after every run.
+turn, through ``torchrun --standalone --nproc_per_node 2`` while two busy loops hold the cores. A run fails when
+torchrun exits non-zero or any output says ``terminate called`` (the SIGABRT seen at shutdown). ``--src`` runs a copy
+of the package (say, a snapshot of a commit) instead of this checkout's ``src/``. The JSON is rewritten after every
+run.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error("--runs must be >= 1")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stopped early: the busy loops end with it (finally)
     import torch
 
     result = {

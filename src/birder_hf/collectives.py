@@ -548,7 +548,7 @@ class _LiveCallbacks:
         self.register_exit_handler()
 
     def register_exit_handler(self) -> None:
-        # once, late (after torch's own handlers, so it runs before them: atexit runs the last registered first)
+        # once, late: after torch's own handlers, so it runs before them (atexit runs the last registered first)
         with self.cond:
             if not self.exit_wait_registered:
                 atexit.register(_release_at_exit)

@@ -128,6 +128,8 @@ class HookState(Communicator):
 
     def __init__(self, optimizer, topology: Topology | None = None, *, check_finite: bool = True, agree_group=None):
         name = type(self).__name__
+        if not isinstance(check_finite, bool):  # bool("no") is True, bool(None) is False: never guess
+            raise ValueError(f"Invalid check_finite={check_finite!r}: it must be True or False ({name}).")
         if not isinstance(optimizer, self.optimizer_class):
             raise TypeError(
                 f"{name} needs a birder_hf.{self.optimizer_class.__name__} optimizer, got {type(optimizer).__name__}."
@@ -145,7 +147,7 @@ class HookState(Communicator):
         # the ranks that agree a step is finite: the topology's (DDP), or every rank of the mesh (FSDP, whose
         # topology spans only this rank's replicas)
         self._agree_group = agree_group
-        self.check_finite = bool(check_finite)
+        self.check_finite = check_finite
         self._pending: dict[torch.Tensor, Staged] = {}
         self._flags: list[torch.Tensor] = []
         # this backward's agreement, summed over the ranks after its last bucket: [non-finite, then with skip_unused:

@@ -112,6 +112,17 @@ class Topology:
     closed: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self):
+        for name, low in (("world_size", 1), ("local_world_size", 1), ("num_nodes", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"Topology: {name} must be an int >= {low}, got {value!r}.")
+        for name, size in (("rank", "world_size"), ("local_rank", "local_world_size"), ("node_rank", "num_nodes")):
+            value, bound = getattr(self, name), getattr(self, size)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < bound:
+                raise ValueError(
+                    f"Topology: {name}={value!r} is not in [0, {size}={bound}); build topologies with "
+                    "Topology.from_env(), Topology.flat() or Topology.from_layout(num_nodes, local_world_size)."
+                )
         if self.local_world_size * self.num_nodes != self.world_size:
             raise ValueError(f"{self.num_nodes} nodes x {self.local_world_size} ranks != world size {self.world_size}")
         object.__setattr__(self, "intra_ranks", tuple(self.intra_ranks))
