@@ -160,7 +160,7 @@ def test_without_close_no_birder_process_group_lives_into_finalization(tmp_path)
     _, code = _readme_ddp_snippet()
     counts = {}
     for name, script in (("close", code), ("no_close", _without_close(code))):
-        codes, outs = _run_ranks(THREADS_AT_FINALIZATION + script, tmp_path)
+        codes, outs = _run_ranks(THREADS_AT_FINALIZATION + script, tmp_path, timeout=300)
         assert codes == [0, 0], "\n".join(o[-2000:] for o in outs)
         counts[name] = [int(re.search(r"threads at finalization (\d+)", o).group(1)) for o in outs]
     assert counts["no_close"] == counts["close"], counts
