@@ -198,7 +198,7 @@ def test_torch_compile_of_step_matches_eager():
     assert _equal(m1.parameters(), m2.parameters())
 
 
-# ------------------------------------------------------------------- issue 24: conventions of torch's and timm's suites
+# ------------------------------------------------------------------ issue 24: conventions of torch's and timm's suites
 def test_a_non_parameter_entry_in_state_loads_as_torch_keeps_it():
     # torch's load-state-dict hook tests (and other libraries) stash entries in optimizer.state that are no parameter's
     model = _model()

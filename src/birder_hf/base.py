@@ -536,8 +536,8 @@ class OneBitOptimizer(Optimizer):
         ]
         if stray:
             raise ValueError(
-                f"The state dict being loaded has {name} state under keys {sorted(stray, key=str)[:5]} that none of its "
-                f"param groups lists (they list {sorted(ids, key=str)[:5]}{' ...' if len(ids) > 5 else ''}); nothing "
+                f"The state dict being loaded has {name} state under keys {sorted(stray, key=str)[:5]} that none of "
+                f"its param groups lists (they list {sorted(ids, key=str)[:5]}{' ...' if len(ids) > 5 else ''}); nothing "
                 f"was loaded. Load a state dict that {name}.state_dict() wrote, unchanged (keys renamed or converted, "
                 "e.g. to strings by JSON, would load as zero state)."
             )

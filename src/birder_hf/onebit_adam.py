@@ -205,9 +205,8 @@ class OneBitAdam(OneBitOptimizer):
     def _step_alone(self) -> bool:
         batch = self.gradients()
         if not all_finite([g for gg in batch for g in gg.grads]):  # as Birder: skip, m and v untouched
-            warnings.warn(
-                "OneBitAdam: non-finite gradient; this step was skipped (state untouched).", RuntimeWarning, stacklevel=4
-            )
+            message = "OneBitAdam: non-finite gradient; this step was skipped (state untouched)."
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
             return True
         self.check_state_matches([p for gg in batch for p in gg.params])  # before any parameter is stepped
         for group, params, grads in batch:

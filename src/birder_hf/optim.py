@@ -161,10 +161,8 @@ class Birder(OneBitOptimizer):
         if unknown:  # a typo, or another optimizer's setting (timm and the Trainer pass them along): never ignored
             key = next(iter(unknown))
             hint = {"betas": "Birder has one beta: pass beta=0.95", "eps": "Birder has no eps (u = m / b needs none)"}
-            raise TypeError(
-                f"Birder got an unknown setting {key}={unknown[key]!r}: "
-                f"{hint.get(key, 'its settings are lr, beta, weight_decay, quantize, amsgrad, seed, foreach, maximize')}."
-            )
+            known = "its settings are lr, beta, weight_decay, quantize, amsgrad, seed, foreach, maximize"
+            raise TypeError(f"Birder got an unknown setting {key}={unknown[key]!r}: {hint.get(key, known)}.")
         if differentiable is not False:
             raise ValueError(
                 f"Invalid differentiable={differentiable!r}: Birder does not support differentiable=True (its step "
