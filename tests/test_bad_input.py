@@ -475,7 +475,158 @@ ROWS = [
         ["--size_mb nan must be a finite number > 0"],
         id="preflight-size-mb-nan",
     ),
+    # ------------------------------------------ issue 24: settings changed after construction, checked at step()
+    P(lambda e: _changed(e, "beta", 2.0), ValueError, ["beta=2.0", "at step()", "[0, 1)"], id="step-beta-2"),
+    P(
+        lambda e: _changed(e, "lr", torch.tensor(float("nan"))),
+        ValueError,
+        ["lr=tensor(nan)", "at step()"],
+        id="step-tensor-lr-nan",
+    ),
+    P(
+        lambda e: _changed(e, "lr", float("nan")),  # what a scheduler returning NaN writes
+        ValueError,
+        ["lr=nan", "param group 0", "at step()"],
+        id="step-scheduler-lr-nan",
+    ),
+    P(lambda e: _changed(e, "weight_decay", -0.1), ValueError, ["weight_decay=-0.1"], id="step-wd-negative"),
+    # ------------------------------------- issue 24: a wrong-shape gradient: nothing stepped, nothing written
+    P(
+        lambda e: _wrong_shape_grad(e, OneBitAdam, freeze_step=2),
+        RuntimeError,
+        ["gradient of shape (3,)", "nothing was stepped"],
+        id="onebitadam-wrong-shape-grad",
+    ),
+    P(
+        lambda e: _wrong_shape_grad(e, Birder, seed=0),
+        RuntimeError,
+        ["gradient of shape (3,)", "nothing was stepped"],
+        id="birder-wrong-shape-grad",
+    ),
+    P(
+        lambda e: _resized_after_state(e, OneBitAdam, freeze_step=1),
+        RuntimeError,
+        ["state of shape (3,)", "before creating the optimizer"],
+        id="onebitadam-resized-param",
+    ),
+    # ------------------------------------------------------------ issue 24: coerced or ignored settings
+    P(
+        lambda e: BirderHookState(e.opt, check_finite=None),
+        ValueError,
+        ["check_finite=None", "True or False"],
+        id="hook-check-finite-none",
+    ),
+    P(
+        lambda e: BirderHookState(e.opt, check_finite="no"),
+        ValueError,
+        ["check_finite='no'", "True or False"],
+        id="hook-check-finite-no",
+    ),
+    P(
+        lambda e: OneBitAdam([_param()], freeze_step=1, bias_correction="no"),
+        ValueError,
+        ["bias_correction='no'", "True or False"],
+        id="onebitadam-bias-correction-str",
+    ),
+    P(
+        lambda e: e.opt.add_param_group({"params": [_param()], "seed": 7}),
+        ValueError,
+        ["seed=7", "param group 1", "one seed"],
+        id="group-seed",
+    ),
+    P(
+        lambda e: Birder([{"params": [_param()], "seed": 5}], seed=1),
+        ValueError,
+        ["seed=5", "one seed", "pass seed= to Birder"],
+        id="constructor-group-seed",
+    ),
+    P(
+        lambda e: e.opt.add_param_group({"params": [_param()], "weight_decy": 0.1}),
+        ValueError,
+        ["'weight_decy'", "param group 1", "did you mean 'weight_decay'"],
+        id="group-key-typo",
+    ),
+    P(
+        lambda e: Birder([{"params": [_param()], "betas": (0.9, 0.99)}]),
+        ValueError,
+        ["'betas'", "did you mean 'beta'"],
+        id="group-key-betas",
+    ),
+    P(
+        lambda e: OneBitAdam([{"params": [_param()], "momentum": 0.9}], freeze_step=1),
+        ValueError,
+        ["'momentum'", "OneBitAdam's settings are"],
+        id="onebitadam-group-key-momentum",
+    ),
+    P(
+        lambda e: Birder([_param()], betas=(0.9, 0.999)),
+        TypeError,
+        ["betas=(0.9, 0.999)", "pass beta="],
+        id="birder-betas",
+    ),
+    P(lambda e: _timm_create(betas=(0.9, 0.999)), TypeError, ["betas=(0.9, 0.999)", "one beta"], id="timm-betas"),
+    P(lambda e: _timm_create(eps=1e-8), TypeError, ["eps=1e-08", "no eps"], id="timm-eps"),
+    P(
+        lambda e: Topology(3, 2, 0, 2, 0, 1, None, None, None, (), ()),
+        ValueError,
+        ["rank=3", "[0, world_size=2)", "Topology.from_env()"],
+        id="topology-rank-past-world",
+    ),
+    P(
+        lambda e: Topology(0, 2, 0, 0, 0, 1, None, None, None, (), ()),
+        ValueError,
+        ["local_world_size must be an int >= 1, got 0"],
+        id="topology-zero-ranks",
+    ),
+    P(
+        lambda e: _with_state(e, lambda sd: sd.__setitem__("state", {str(k): v for k, v in sd["state"].items()})),
+        ValueError,
+        ["under keys ['0', '1']", "none of its param groups lists", "nothing was loaded"],
+        id="load-state-keys-mismatch",
+    ),
 ]
+
+
+def _changed(env, key, value):
+    # a setting changed after construction, then step(); the old value is put back (the table checks nothing else
+    # changed)
+    old = env.opt.param_groups[0][key]
+    env.opt.param_groups[0][key] = value
+    try:
+        env.opt.step()
+    finally:
+        env.opt.param_groups[0][key] = old
+
+
+def _wrong_shape_grad(env, cls, **kwargs):
+    # the model's weight (with a gradient ready) and a parameter resized after its backward, in one optimizer
+    odd = torch.nn.Parameter(torch.zeros(3))
+    odd.grad = torch.ones(3)
+    odd.data = torch.zeros(5)
+    opt = cls([env.model.weight, odd], lr=0.1, **kwargs)
+    opt.step()
+
+
+def _resized_after_state(env, cls, **kwargs):
+    # a parameter resized after its state was made, next to one that is fine: the error comes before either moves
+    q, p = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.zeros(3))
+    opt = cls([q, p], lr=0.1, **kwargs)
+    q.grad, p.grad = torch.ones(4), torch.ones(3)
+    opt.step()
+    before = (q.detach().clone(), copy.deepcopy(opt.state_dict()))
+    p.data, p.grad = torch.zeros(5), torch.ones(5)
+    try:
+        opt.step()
+    finally:
+        assert torch.equal(q, before[0]) and _same(opt.state_dict(), before[1]), "a parameter moved before the error"
+
+
+def _timm_create(**kwargs):
+    timm = pytest.importorskip("timm")
+    from birder_hf.integrations.timm import register_with_timm
+
+    register_with_timm()
+    timm.optim.create_optimizer_v2(torch.nn.Linear(2, 2), "birder", lr=1e-3, **kwargs)
 
 
 def _timm(name):

@@ -372,3 +372,35 @@ def test_ddp_options_do_not_change_a_bit():
         for params, state in runs[1:]:
             assert all(torch.equal(p, q) for p, q in zip(params, runs[0][0]))
             _states_equal(state, runs[0][1])
+
+
+@pytest.mark.parametrize("steps_before", [0, 3], ids=["warm-up", "compressed"])
+def test_a_non_finite_gradient_skips_the_step_in_one_process(steps_before):
+    """As Birder: a NaN or inf in one gradient element skips the step (parameters, m, v and the error buffers as they
+    were, ``step_was_skipped``), in the warm-up and after ``freeze_step``; the next finite step goes on (issue 24)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = OneBitAdam(model.parameters(), lr=0.01, freeze_step=2)
+    for _ in range(steps_before):
+        model(torch.randn(8, 4)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    params = [p.detach().clone() for p in model.parameters()]
+    state = copy.deepcopy(opt.state_dict())
+    for bad in (float("nan"), float("inf")):
+        model(torch.randn(8, 4)).square().mean().backward()
+        model.weight.grad[1, 2] = bad
+        with pytest.warns(RuntimeWarning, match="non-finite gradient; this step was skipped"):
+            opt.step()
+        opt.zero_grad()
+        assert opt.step_was_skipped
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+        after = opt.state_dict()
+        assert all(
+            torch.equal(v, after["state"][i][k]) if torch.is_tensor(v) else v == after["state"][i][k]
+            for i, st in state["state"].items()
+            for k, v in st.items()
+        )
+    model(torch.randn(8, 4)).square().mean().backward()
+    opt.step()
+    assert not opt.step_was_skipped and all(torch.isfinite(p).all() for p in model.parameters())

@@ -2,7 +2,8 @@
 ``torch/testing/_internal/common_optimizers.py``'s ``optim_db`` drives; written here, nothing imported from it).
 
 Where Birder differs on purpose: a parameter listed twice in one group is an error (torch only warns: it would be
-stepped twice); complex and integer parameters are refused at construction; ``differentiable=True`` is refused.
+stepped twice); complex and integer parameters are refused at construction; ``differentiable=True`` is refused; a
+param-group key that looks like a misspelled or another optimizer's setting is refused (torch keeps it).
 """
 
 from __future__ import annotations
@@ -195,3 +196,59 @@ def test_torch_compile_of_step_matches_eager():
                 _loss(m, step).backward()
                 fn()
     assert _equal(m1.parameters(), m2.parameters())
+
+
+# ------------------------------------------------------------------ issue 24: conventions of torch's and timm's suites
+def test_a_non_parameter_entry_in_state_loads_as_torch_keeps_it():
+    # torch's load-state-dict hook tests (and other libraries) stash entries in optimizer.state that are no parameter's
+    model = _model()
+    opt = Birder(model.parameters(), lr=0.01, seed=0)
+    _run(model, opt, steps=2)
+    opt.state["ran_load_state_dict_pre_hook"] = True
+    twin_model = copy.deepcopy(model)
+    twin = Birder(twin_model.parameters(), lr=0.01, seed=0)
+    twin.load_state_dict(copy.deepcopy(opt.state_dict()))  # was: TypeError: argument of type 'bool' is not iterable
+    assert twin.state["ran_load_state_dict_pre_hook"] is True
+    assert _equal(_run(model, opt, steps=2), _run(twin_model, twin, steps=2))
+
+
+def _timm_like(lr, lr_fn, **kwargs):
+    # timm's test_optimizer_tensor_lr, re-written: two optimizers built alike (no seed given), one lr schedule with
+    # lr = 0 on some steps, as a float written into the group or as one Tensor filled in place (no reseeding between)
+    weight = torch.nn.Parameter(torch.randn(16, 8, generator=torch.Generator().manual_seed(0)))
+    bias = torch.nn.Parameter(torch.randn(8, generator=torch.Generator().manual_seed(1)))
+    opt = Birder([weight, bias], lr=lr, weight_decay=0.1, **kwargs)
+    for step in range(5):
+        lr_fn(opt, step)
+        for i, p in enumerate((weight, bias)):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * step + i))
+        opt.step()
+    return [weight.detach().clone(), bias.detach().clone()]
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_an_in_place_tensor_lr_with_zero_steps_follows_the_float_schedule(foreach):
+    lrs = [1e-2, 5e-3, 0.0, 0.0, 2e-3]
+    expected = _timm_like(1e-2, lambda opt, step: opt.param_groups[0].__setitem__("lr", lrs[step]), foreach=foreach)
+    lr = torch.tensor(lrs[0])
+    actual = _timm_like(lr, lambda opt, step: lr.fill_(lrs[step]), foreach=foreach)
+    for a, e in zip(actual, expected):  # before: 60 of 128 weight elements differed (another default seed)
+        torch.testing.assert_close(a, e)
+    # and lr = 0 moves nothing, weight decay included
+    zero = torch.tensor(0.0)
+    before = _timm_like(zero, lambda opt, step: None)
+    start = [torch.randn(16, 8, generator=torch.Generator().manual_seed(s)) for s in (0,)]
+    start.append(torch.randn(8, generator=torch.Generator().manual_seed(1)))
+    assert _equal(before, start)
+
+
+def test_the_default_seed_is_torchs_and_draws_no_random_number():
+    torch.manual_seed(123)
+    a = Birder([torch.nn.Parameter(torch.zeros(2))])
+    after_a = torch.rand(1)
+    torch.manual_seed(123)
+    b = Birder([torch.nn.Parameter(torch.zeros(2))])
+    c = Birder([torch.nn.Parameter(torch.zeros(2))])
+    assert a.seed == b.seed == c.seed == 123 % (2**31 - 1)
+    torch.manual_seed(123)
+    assert torch.equal(torch.rand(1), after_a)  # building an optimizer left the user's random stream alone

@@ -265,6 +265,7 @@ class OneBitOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.check_current_settings()  # changed since construction (a scheduler, an edit): before anything is written
         if self.communicator is None:
             self._warn_if_distributed_without_communicator()
             self.step_was_skipped = self._step_alone()
@@ -316,6 +317,7 @@ class OneBitOptimizer(Optimizer):
             )
         param_group["params"] = params = list(params)  # a generator is read once
         self._check_params([x[1] if isinstance(x, tuple) else x for x in params], where)
+        self._check_group_keys(param_group, where)
         self._check_settings({k: v for k, v in param_group.items() if k != "params"}, where)
         super().add_param_group(param_group)
         self._index_cache = None
@@ -339,8 +341,19 @@ class OneBitOptimizer(Optimizer):
         return out
 
     def check_state_matches(self, params: list[torch.Tensor]) -> None:
-        """Raise (before anything is written) if a parameter no longer matches its state: resized, or moved to another
-        device after the state was made."""
+        """Raise (before anything is written) if a parameter no longer matches its state (resized, or moved to another
+        device after the state was made) or its gradient (another shape), or a setting of its group became invalid.
+        """
+        groups = {id(g): g for g in map(self.group_of, params) if g is not None}
+        self.check_current_settings(list(groups.values()))
+        for p in params:
+            g = p.grad
+            if g is not None and tuple(local_tensor(g).shape) != tuple(local_tensor(p).shape):
+                raise RuntimeError(
+                    f"A parameter of shape {tuple(p.shape)} has a gradient of shape {tuple(g.shape)}: the parameter "
+                    "was replaced or resized after backward. Resize the model before backward (and before creating "
+                    f"the optimizer); nothing was stepped by {type(self).__name__}."
+                )
         for p in params:
             st = self.state.get(p)
             if not st:
@@ -376,8 +389,9 @@ class OneBitOptimizer(Optimizer):
         super().load_state_dict(state_dict)
         for (p, key), value in keep.items():
             self.state[p][key] = value.to(device=p.device, dtype=torch.float32)
-        for st in self.state.values():  # torch.optim accepts a plain-number step; keep ours a tensor
-            if "step" in st and not torch.is_tensor(st["step"]):
+        for key, st in self.state.items():  # torch.optim accepts a plain-number step; keep ours a tensor
+            # (entries that are not a parameter's, which torch.optim keeps as they are, are left alone)
+            if isinstance(key, torch.Tensor) and isinstance(st, dict) and not torch.is_tensor(st.get("step", st)):
                 st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
         self._index_cache = None
 
@@ -393,6 +407,39 @@ class OneBitOptimizer(Optimizer):
                         f"Invalid {label}{name}={settings[name]!r}{where}: {problem.format(name=name)} "
                         f"({type(self).__name__})."
                     )
+
+    def check_current_settings(self, groups: list[dict] | None = None) -> None:
+        """Raise ``ValueError`` if a setting of ``groups`` (default: every param group) breaks its rule now: settings
+        changed after construction (``param_groups[0]["beta"] = 2.0``, a scheduler returning NaN, a Tensor lr filled
+        with NaN) are checked at every step, on the host values. A Tensor lr off the CPU is not read (that would wait
+        for the device); its shape and dtype are checked."""
+        for i, group in enumerate(self.param_groups if groups is None else groups):
+            values = {k: group[k] for k in self.settings if k in group}
+            lr = values.get("lr")
+            if isinstance(lr, torch.Tensor) and lr.device.type != "cpu":
+                values["lr"] = lr.new_zeros(()).cpu() if lr.numel() == 1 and lr.is_floating_point() else lr.cpu()
+            index = next(j for j, g in enumerate(self.param_groups) if g is group) if groups is not None else i
+            self._check_settings(values, f" in param group {index} (at step(): changed since it was set?)")
+
+    # names a param group may hold that are settings of other optimizers: a group holding one meant something
+    # this optimizer ignores (e.g. Adam's betas for Birder's beta)
+    _FOREIGN_SETTINGS = ("beta", "betas", "eps", "momentum", "nesterov", "dampening", "rho", "alpha")
+
+    def _check_group_keys(self, param_group: dict, where: str) -> None:
+        """Refuse a key that looks like a misspelled setting (``weight_decy``) or is another optimizer's (``betas``):
+        it would be kept and ignored. Other keys (``name``, timm's ``lr_scale``, ``param_names``) are left alone."""
+        import difflib
+
+        name = type(self).__name__
+        for key in param_group:
+            if key == "params" or key in self.settings or not isinstance(key, str):
+                continue
+            close = difflib.get_close_matches(key, list(self.settings), n=1, cutoff=0.8)
+            if close or key in self._FOREIGN_SETTINGS:
+                hint = f"did you mean {close[0]!r}?" if close else f"{name}'s settings are {', '.join(self.settings)}"
+                raise ValueError(
+                    f"Unknown setting {key!r}{where}: {name} would keep it and ignore it ({hint})."
+                )
 
     def _check_params(self, params: list, where: str) -> None:
         """Real floating-point parameters, each once (torch only warns about a duplicate: it would step twice)."""
@@ -478,6 +525,22 @@ class OneBitOptimizer(Optimizer):
                 )
             self._check_settings(saved, where)
         saved_ids = [i for g in saved_groups for i in g["params"]]
+        # torch.optim keeps entries of "state" that belong to no parameter as they are (hooks and libraries stash
+        # flags there); one that holds a parameter's state under a key no param group lists is a mismatch, which would
+        # otherwise load as zero state
+        ids = set(saved_ids)
+        stray = [
+            k
+            for k, v in states.items()
+            if k not in ids and isinstance(v, dict) and any(key in v for key in self.required_state)
+        ]
+        if stray:
+            raise ValueError(
+                f"The state dict being loaded has {name} state under keys {sorted(stray, key=str)[:5]} that none of "
+                f"its param groups lists (they list {sorted(ids, key=str)[:5]}{' ...' if len(ids) > 5 else ''}); nothing "
+                f"was loaded. Load a state dict that {name}.state_dict() wrote, unchanged (keys renamed or converted, "
+                "e.g. to strings by JSON, would load as zero state)."
+            )
         self._check_shards(state_dict, saved_ids, [p for g in self.param_groups for p in g["params"]])
         for i, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
             settings = {**self.defaults, **saved}

@@ -545,6 +545,11 @@ class _LiveCallbacks:
     def add(self, cb: _Callback) -> None:
         with self.cond:
             self.refs.add(weakref.ref(cb, self._released))
+        self.register_exit_handler()
+
+    def register_exit_handler(self) -> None:
+        # once, late: after torch's own handlers, so it runs before them (atexit runs the last registered first)
+        with self.cond:
             if not self.exit_wait_registered:
                 atexit.register(_release_at_exit)
                 self.exit_wait_registered = True
@@ -575,11 +580,16 @@ def release_process_groups(*, barrier: bool = True, timeout: float | None = _EXI
     destroy every process group. A group left to the interpreter's teardown is destroyed while gloo's threads may still
     ask for the GIL: SIGABRT ("terminate called without an active exception") after a finished run, seen with plain
     DDP under load too. The recipes call this after training; an atexit handler calls it without the barrier."""
-    if not wait_for_callbacks(timeout) or not dist.is_available() or not dist.is_initialized():
+    if not wait_for_callbacks(timeout):
         return
-    if barrier:
+    initialized = dist.is_available() and dist.is_initialized()
+    if initialized and barrier:
         dist.barrier()
-    dist.destroy_process_group()
+    # the topologies' own groups too, even after the user's destroy_process_group(): a hook state still holds them,
+    # and a group whose last reference goes at the interpreter's finalization joins its threads there
+    Topology.close_open()
+    if initialized:
+        dist.destroy_process_group()
 
 
 def _release_at_exit() -> None:

@@ -255,7 +255,7 @@ class HookState(Communicator):
         # settings
         "optimizer",
         "topology",
-        "agree_group",
+        "_agree_group",  # None: the topology's world group (read through agree_group, so close() can release it)
         "check_finite",
         # per-step buffers
         "_pending",
@@ -285,7 +285,7 @@ class HookState(Communicator):
         agree_group=None,
         grad_scaler=None,
     ):
-        self.check_finite = bool(check_finite)
+        self.check_finite = check_finite  # checked in _check_setup: bool('no') is True, bool(None) False
         # this rank's checks, then one exchange with the others before any other collective (agree_setup): a bad
         # argument on one rank stops every rank, and ranks set up differently fail instead of drifting apart
         error = settings = None
@@ -316,8 +316,8 @@ class HookState(Communicator):
         self.grad_scaler, self._scale, self._skipping = grad_scaler, None, False
         self.topology = topology if topology is not None else Topology.flat()
         # the ranks that agree a step is finite: the topology's (DDP), or every rank of the mesh (FSDP, whose
-        # topology spans only this rank's replicas)
-        self.agree_group = self.topology.world_group if agree_group is None else agree_group
+        # topology spans only this rank's replicas); None: the topology's, read through agree_group so close() frees it
+        self._agree_group = agree_group
         self._pending: dict[torch.Tensor, Staged] = {}
         self._flags: list[torch.Tensor] = []
         # this backward's agreement, summed over the ranks after its last bucket: [non-finite, then with skip_unused:
@@ -345,6 +345,8 @@ class HookState(Communicator):
     def _check_setup(self, optimizer, topology) -> None:
         """This rank's own checks of the set-up (before the ranks agree on it); subclasses add theirs."""
         name = type(self).__name__
+        if not isinstance(self.check_finite, bool):  # never guess
+            raise ValueError(f"Invalid check_finite={self.check_finite!r}: it must be True or False ({name}).")
         if not isinstance(optimizer, self.optimizer_class):
             raise TypeError(
                 f"{name} needs a birder_hf.{self.optimizer_class.__name__} optimizer, got {type(optimizer).__name__}."
@@ -363,6 +365,11 @@ class HookState(Communicator):
         """What every rank's hook state must share (:func:`communicator_settings`): its own settings, the layout, the
         optimizer's parameters and settings."""
         return communicator_settings(type(self).__name__, optimizer, layout, check_finite=self.check_finite)
+
+    @property
+    def agree_group(self):
+        """The ranks that agree a step is finite: the topology's (DDP), or every rank of the mesh (FSDP)."""
+        return self.topology.world_group if self._agree_group is None else self._agree_group
 
     def _abort_bucket(self, params: list[torch.Tensor]) -> None:
         """Forget what the current bucket staged (its hook failed): the next backward starts clean."""
@@ -394,7 +401,6 @@ class HookState(Communicator):
             return
         self._close_step()
         self.detach()
-        self.agree_group = None  # the topology's world group (DDP): let close() release it
         self.topology.close()
 
     # ------------------------------------------------------------------------------------------ buckets
@@ -702,7 +708,7 @@ class StepAllReduce(Communicator):
         elif not isinstance(topology, Topology):
             raise TypeError(f"topology must be a birder_hf.Topology, got {type(topology).__name__}.")
         self.topology, self.method, self.inter_method, self.chunk_numel = topology, method, inter_method, chunk_numel
-        self.agree_group = topology.world_group if agree_group is None else agree_group
+        self._agree_group = agree_group  # None: the topology's world group (not held here: the exit handler frees it)
         self.usage = usage
         self.stats = CommStats()
         self._verdict: torch.Tensor | None = None  # agreed when a GradScaler asked, for the step() it calls next
@@ -786,6 +792,11 @@ class StepAllReduce(Communicator):
             fix=f"Every rank must build its {type(optimizer).__name__} with the same parameters and settings, and the "
             "same process_group/topology and method",
         )
+
+    @property
+    def agree_group(self):
+        """The ranks that agree on skipped steps and used parameters."""
+        return self.topology.world_group if self._agree_group is None else self._agree_group
 
     def amp_scaling(self) -> bool:
         """Asked by ``GradScaler.step`` on every rank: agree now (see the class docstring). ``True``: the scaler calls

@@ -28,6 +28,7 @@ from .base import (
     OneBitOptimizer,
     Setting,
     _rule,
+    all_finite,
     choice,
     is_integer,
     is_real_number,
@@ -136,7 +137,7 @@ class OneBitAdam(OneBitOptimizer):
             eps=eps,
             weight_decay=weight_decay,
             freeze_step=freeze_step,
-            bias_correction=bool(bias_correction),
+            bias_correction=bias_correction,
             scaling=scaling,
         )
         super().__init__(params, defaults)  # validates every setting and parameter
@@ -202,7 +203,13 @@ class OneBitAdam(OneBitOptimizer):
 
     # ------------------------------------------------------------------------------------------- step
     def _step_alone(self) -> bool:
-        for group, params, grads in self.gradients():
+        batch = self.gradients()
+        if not all_finite([g for gg in batch for g in gg.grads]):  # as Birder: skip, m and v untouched
+            message = "OneBitAdam: non-finite gradient; this step was skipped (state untouched)."
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+            return True
+        self.check_state_matches([p for gg in batch for p in gg.params])  # before any parameter is stepped
+        for group, params, grads in batch:
             for p, grad in zip(params, grads):
                 st = self.init_state(p, group)
                 if not self.compressing(p, group):

@@ -104,8 +104,10 @@ class Birder(OneBitOptimizer):
         quantize (`bool`, *optional*, defaults to `True`): binary randomization; ``False`` uses
             :math:`d = u` (single process only; a reference, not 1-bit).
         amsgrad (`bool`, *optional*, defaults to `False`): use :math:`\max_{s \le t} b_s` (the theory's variant).
-        seed (`int`, *optional*): seed of the counter-based random bits; by default drawn from torch's
-            default generator (so ``torch.manual_seed`` makes runs repeatable). Saved in ``state_dict``.
+        seed (`int`, *optional*): seed of the counter-based random bits, one per optimizer; by default
+            ``torch.initial_seed()`` (the seed of ``torch.manual_seed``: runs are repeatable, two optimizers built
+            alike step alike, as ``torch.optim``'s do, and building one draws no random number). Saved in
+            ``state_dict``.
         foreach (`bool`, *optional*): use the multi-tensor path (default: on CUDA tensors).
         maximize (`bool`, *optional*, defaults to `False`): maximize the objective.
         differentiable (`bool`, *optional*, defaults to `False`): ``True`` is refused (random signs have no
@@ -155,6 +157,7 @@ class Birder(OneBitOptimizer):
         topology=None,
         method: str | None = None,
         comm_method: str | None = None,
+        **unknown,
     ):
         if comm_method is not None:
             warnings.warn("Birder(comm_method=...) is renamed method=...", FutureWarning, stacklevel=2)
@@ -162,6 +165,14 @@ class Birder(OneBitOptimizer):
         distributed = topology is not None or process_group is not None
         error = None
         try:
+            if unknown:  # a typo, or another optimizer's setting (timm and the Trainer pass them along): never ignored
+                key = next(iter(unknown))
+                hint = {
+                    "betas": "Birder has one beta: pass beta=0.95",
+                    "eps": "Birder has no eps (u = m / b needs none)",
+                }
+                known = "its settings are lr, beta, weight_decay, quantize, amsgrad, seed, foreach, maximize"
+                raise TypeError(f"Birder got an unknown setting {key}={unknown[key]!r}: {hint.get(key, known)}.")
             if differentiable is not False:
                 raise ValueError(
                     f"Invalid differentiable={differentiable!r}: Birder does not support differentiable=True (its "
@@ -169,8 +180,8 @@ class Birder(OneBitOptimizer):
                 )
             if process_group is not None and topology is not None:
                 raise ValueError("Pass process_group= or topology=, not both.")
-            if seed is None:
-                seed = int(torch.randint(0, 2**31 - 1, ()).item())
+            if seed is None:  # torch's seed, not a draw from its generator: two optimizers built alike step alike
+                seed = torch.initial_seed() % (2**31 - 1)
             defaults = dict(
                 lr=lr,
                 beta=beta,
@@ -206,6 +217,14 @@ class Birder(OneBitOptimizer):
     @property
     def seed(self) -> int:
         return int(self.param_groups[0]["seed"])
+
+    def _check_group_keys(self, param_group: dict, where: str) -> None:
+        super()._check_group_keys(param_group, where)
+        if "seed" in param_group and param_group["seed"] != self.defaults["seed"]:
+            raise ValueError(
+                f"Invalid seed={param_group['seed']!r}{where}: Birder has one seed for all its param groups "
+                f"({self.defaults['seed']!r}, the random bits are keyed by it); pass seed= to Birder, not to a group."
+            )
 
     # --------------------------------------------------------------------- protocol for communicators
     def init_state(self, p: torch.Tensor, group: dict) -> dict:

@@ -20,11 +20,17 @@ the two streams of collectives could be issued in different orders on different 
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
 __all__ = ["Topology"]
+
+# The topologies that built process groups and were not closed yet. At exit, birder_hf closes them (after the 1-bit
+# all-reduce's callbacks are released, ``collectives._release_at_exit``): a group whose last reference would otherwise
+# go at the interpreter's finalization has its threads joined there, which aborted finished runs under load.
+_OPEN: weakref.WeakSet = weakref.WeakSet()
 
 
 def _require_initialized(where: str) -> None:
@@ -106,10 +112,26 @@ class Topology:
     closed: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self):
+        for name, low in (("world_size", 1), ("local_world_size", 1), ("num_nodes", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"Topology: {name} must be an int >= {low}, got {value!r}.")
+        for name, size in (("rank", "world_size"), ("local_rank", "local_world_size"), ("node_rank", "num_nodes")):
+            value, bound = getattr(self, name), getattr(self, size)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < bound:
+                raise ValueError(
+                    f"Topology: {name}={value!r} is not in [0, {size}={bound}); build topologies with "
+                    "Topology.from_env(), Topology.flat() or Topology.from_layout(num_nodes, local_world_size)."
+                )
         if self.local_world_size * self.num_nodes != self.world_size:
             raise ValueError(f"{self.num_nodes} nodes x {self.local_world_size} ranks != world size {self.world_size}")
         object.__setattr__(self, "intra_ranks", tuple(self.intra_ranks))
         object.__setattr__(self, "inter_ranks", tuple(self.inter_ranks))
+        if self.owned_groups:
+            from .collectives import _LIVE  # the exit handler that closes it (collectives imports this module)
+
+            _OPEN.add(self)
+            _LIVE.register_exit_handler()
 
     # ----------------------------------------------------------------------------------- constructors
     @classmethod
@@ -333,6 +355,15 @@ class Topology:
             object.__setattr__(self, name, None)
         object.__setattr__(self, "owned_groups", ())
         object.__setattr__(self, "closed", True)
+        _OPEN.discard(self)
+
+    @staticmethod
+    def close_open() -> None:
+        """Close every topology that built process groups and is still open (the exit handler calls it once the 1-bit
+        all-reduce's callbacks are released, so that no group of birder_hf's lives into the interpreter's
+        finalization)."""
+        for topology in list(_OPEN):
+            topology.close()
 
     def _check_open(self) -> None:
         if self.closed:

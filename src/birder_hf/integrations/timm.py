@@ -50,8 +50,10 @@ def register_with_timm(name: str = TIMM_NAME) -> None:
             name=name,
             opt_class=Birder,
             description="Birder: 1-bit adaptive optimizer, Hierarchical-1-bit-All-Reduce (Peng et al., NeurIPS 2023)",
-            has_eps=False,
+            # timm drops eps= and betas= for an optimizer that declares none; declared, they reach Birder, which
+            # refuses them (Adam's betas are not Birder's beta) instead of training with settings the user did not get
+            has_eps=True,
             has_momentum=False,
-            has_betas=False,
+            has_betas=True,
         )
     )

@@ -315,8 +315,8 @@ class ShardedTrainerMixin:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        state = _read_full_weights(resume_from_checkpoint)
-        # tied weights (an LM head sharing the embedding) are saved once: strict=False
+        state = _model_keys(self.model, _read_full_weights(resume_from_checkpoint), resume_from_checkpoint)
+        # every key is there (checked above) but tied weights (an LM head sharing the embedding), saved once
         set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True, strict=False))
 
 
@@ -340,6 +340,56 @@ def _launcher_nodes() -> int:
             "--num_nodes."
         )
     return world // local
+
+
+def _model_keys(model, saved: dict, folder: str) -> dict:
+    """``saved`` (what ``save_pretrained`` wrote) under ``model``'s own keys, checked: every weight of the model is there
+    but tied ones (saved once), and nothing else. Raises ``ValueError`` naming the keys, before anything is loaded.
+
+    transformers saves some models under their checkpoints' original names (a ``ViTForImageClassification``'s
+    ``...attention.attention.key...`` for its ``...attention.k_proj...``); ``from_pretrained`` renames them back, a
+    plain load would skip them. The renaming is read from transformers' own (``revert_weight_conversion``, run on
+    placeholder tensors of the model's keys).
+    """
+    import torch
+
+    own = model.state_dict()  # keys and (full) shapes only: no gather
+    rename = {}
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # an older transformers saves under the model's own keys
+        revert_weight_conversion = None
+    if revert_weight_conversion is not None and hasattr(model, "config") and set(saved) - set(own):
+        probe = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in own.items()}
+        ids = {id(t): k for k, t in probe.items()}
+        try:
+            reverted = revert_weight_conversion(model, dict(probe))
+        except Exception:  # noqa: BLE001  (a conversion that needs real tensors: the key check below reports it)
+            reverted = {}
+        rename = {saved_key: ids[id(t)] for saved_key, t in reverted.items() if id(t) in ids}
+    state = {rename.get(k, k): v for k, v in saved.items()}
+    # tied weights: one tensor under several keys; the checkpoint needs one of them
+    tied: dict[int, set] = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        tied.setdefault(id(t), set()).add(name)
+    twins = {name: names for names in tied.values() for name in names}
+    missing = [k for k in own if k not in state and not (twins.get(k, set()) & state.keys())]
+    unexpected = [k for k in saved if rename.get(k, k) not in own]
+    if missing or unexpected:
+        show = lambda keys: f"{keys[:6]}{f' and {len(keys) - 6} more' if len(keys) > 6 else ''}"  # noqa: E731
+        raise ValueError(
+            f"The weights in {folder} do not match the model ({type(model).__name__}): "
+            + "; ".join(
+                part
+                for part in (
+                    f"{len(missing)} of its {len(own)} keys are not there: {show(missing)}" if missing else "",
+                    f"{len(unexpected)} saved keys are not the model's: {show(unexpected)}" if unexpected else "",
+                )
+                if part
+            )
+            + ". Nothing was loaded: resume with the model (class and config) that wrote the checkpoint."
+        )
+    return state
 
 
 def _read_full_weights(folder: str) -> dict:
