@@ -221,3 +221,21 @@ def test_hsdp(in_backward):
     # 2 nodes x 2 ranks: the stale coordinates' node-averaged gradient is 0, u = 0 on both nodes, d = 0
     cases = [(None, "hierarchical", "allgather", True)]
     _check(run_distributed(_hsdp, 4, "hierarchical", in_backward), cases)
+
+
+def test_state_dict_from_before_the_option_loads_with_the_constructors_lazy():
+    # a checkpoint saved before ``lazy`` existed has no such key: it takes the constructor's value (torch.optim's
+    # convention for a newer setting); a saved value wins over the constructor's, as for every setting
+    x = torch.nn.Parameter(torch.zeros(N))
+    opt = Birder([x], lr=LR, seed=1)
+    x.grad = _grad(0, 0)
+    opt.step()
+    saved = opt.state_dict()
+    old = {**saved, "param_groups": [{k: v for k, v in g.items() if k != "lazy"} for g in saved["param_groups"]]}
+    for lazy in (True, False):
+        y = torch.nn.Parameter(torch.zeros(N))
+        fresh = Birder([y], lr=LR, lazy=lazy)
+        fresh.load_state_dict(old)
+        assert fresh.param_groups[0]["lazy"] is lazy
+        fresh.load_state_dict(saved)
+        assert fresh.param_groups[0]["lazy"] is True
