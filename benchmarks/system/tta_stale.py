@@ -56,42 +56,58 @@ def _lr(task: str) -> float:
     return json.loads((tta.ROOT / "docs" / "results" / "tta.json").read_text())["tuned"][task]["birder-h"]["lr"]
 
 
-def _path(args, task, variant, seed) -> Path:
-    return args.work / f"{task}-{variant}-seed{seed}.jsonl"
+def _path(args, task, variant, seed, lr=None) -> Path:
+    at = "" if lr is None or lr == _lr(task) else f"-lr{lr:g}"  # the tuned lr's runs carry no suffix
+    return args.work / f"{task}-{variant}{at}-seed{seed}.jsonl"
+
+
+def _stored_literal(task: str, lr: float) -> tuple[list[int], dict[int, list[float]]]:
+    """Curves of the literal update that other benchmarks stored: the TTA table's runs (tuned lr, seeds 0-2) and,
+    for QA at 2e-3, ``tta_lr_check.json`` (seeds 0-2)."""
+    results = tta.ROOT / "docs" / "results"
+    if lr == _lr(task):
+        tta_json = json.loads((results / "tta.json").read_text())
+        stored = tta_json["tasks"][task]["methods"]["birder-h"]
+        return stored["steps"], dict(zip(tta_json["config"]["seeds"], stored["per_seed"]))
+    check = json.loads((results / "tta_lr_check.json").read_text())
+    if task == "qa" and lr == 0.002:
+        runs = check["runs"]
+        return runs["seed0"]["steps"], {int(k[4:]): v["f1"] for k, v in runs.items()}
+    return [], {}
 
 
 def run(args) -> None:
     for task in args.tasks:
         for seed in args.seeds:
             for variant in args.variants:
-                out = _path(args, task, variant, seed)
+                out = _path(args, task, variant, seed, args.lr)
                 out.parent.mkdir(parents=True, exist_ok=True)
                 opts = _options(variant)
                 ns = argparse.Namespace(steps=SETTING[task]["steps"], batch=SETTING[task]["batch"], nproc=4,
                                         work=args.work)  # fmt: skip
                 extra = ["--birder-options", json.dumps(opts), "--tag", json.dumps({"variant": variant})]
-                tta.run_local(task, "birder-h", _lr(task), seed, ns, out, extra=extra)
+                tta.run_local(task, "birder-h", args.lr or _lr(task), seed, ns, out, extra=extra)
 
 
 def report(args) -> dict:
     ref = json.loads((tta.ROOT / "docs" / "results" / "tta.json").read_text())["tasks"]
     result = {"command": " ".join(["python benchmarks/system/tta_stale.py", *sys.argv[1:]]), "tasks": {}}
-    for task in args.tasks:
+    for task, lr in [(task, lr) for task in args.tasks for lr in [_lr(task), *(args.extra_lr or [])]]:
         key, higher, label = tta.PRIMARY[task]
-        t = {"metric": key, "label": label, "target": ref[task]["target"], "lr": _lr(task), **SETTING[task],
+        t = {"metric": key, "label": label, "target": ref[task]["target"], "lr": lr, **SETTING[task],
              "variants": {}}  # fmt: skip
         for variant in args.variants:
-            runs = {s: tta.read(_path(args, task, variant, s)) for s in args.seeds}
-            runs = {s: r for s, r in runs.items() if tta._complete(_path(args, task, variant, s))}
+            runs = {s: tta.read(_path(args, task, variant, s, lr)) for s in args.seeds}
+            runs = {s: r for s, r in runs.items() if tta._complete(_path(args, task, variant, s, lr))}
             per_seed = {s: [e[key] for e in r if e.get("kind") == "eval"] for s, r in runs.items()}
             steps = [e["step"] for e in next(iter(runs.values())) if e.get("kind") == "eval"] if runs else None
             source = {s: "this benchmark" for s in per_seed}
-            if variant == "literal":  # the TTA table's own runs of the literal update (seeds 0-2), where not rerun
-                stored = ref[task]["methods"]["birder-h"]
-                for s, curve in zip(json.loads((tta.ROOT / "docs/results/tta.json").read_text())["config"]["seeds"],
-                                    stored["per_seed"]):  # fmt: skip
-                    if s in args.seeds and s not in per_seed and (steps is None or steps == stored["steps"]):
-                        per_seed[s], source[s], steps = curve, "docs/results/tta.json (tta.py curves)", stored["steps"]
+            if variant == "literal":  # runs of the literal update stored by other benchmarks, where not rerun
+                stored_steps, stored = _stored_literal(task, lr)
+                for s, curve in stored.items():
+                    if s in args.seeds and s not in per_seed and (steps is None or steps == stored_steps):
+                        per_seed[s], steps = curve, stored_steps
+                        source[s] = "docs/results/tta.json" if lr == _lr(task) else "docs/results/tta_lr_check.json"
             if not per_seed:
                 continue
             per_seed = dict(sorted(per_seed.items()))
@@ -104,7 +120,8 @@ def report(args) -> dict:
                                       "per_seed": per_seed, "final": final,
                                       "median_final": statistics.median(final.values()), "worst_final": worst,
                                       "first_step_at_target": reached}  # fmt: skip
-        result["tasks"][task] = t
+        if t["variants"]:
+            result["tasks"][task if lr == _lr(task) else f"{task}@{lr:g}"] = t
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / "tta_stale.json").write_text(json.dumps(result, indent=1))
     print(table(result))
@@ -145,8 +162,9 @@ def plot(result: dict, path: Path) -> None:
             for c in curves:
                 ax.plot(r["steps"], c, color=COLORS[v], alpha=0.25, lw=0.8)
         ax.axhline(t["target"], color="grey", ls="--", lw=0.8, label="target (95% of fp32's final)")
-        ax.set(title=f"{tta.TITLES[task]}: Birder hierarchical, lr {t['lr']:g}", xlabel="step", ylabel=t["label"])
-        if not tta.PRIMARY[task][1]:
+        title = f"{tta.TITLES[task.split('@')[0]]}: Birder hierarchical, lr {t['lr']:g}"
+        ax.set(title=title, xlabel="step", ylabel=t["label"])
+        if not tta.PRIMARY[task.split('@')[0]][1]:
             ax.set_yscale("log")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
@@ -162,6 +180,8 @@ def main(argv=None) -> int:
     ap.add_argument("--work", type=Path, default=tta.ROOT / "outputs" / "tta_stale")
     ap.add_argument("--results", type=Path, default=tta.ROOT / "docs" / "results")
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--lr", type=float, default=None, help="run: this lr instead of the tuned one (tta.json)")
+    ap.add_argument("--extra-lr", type=float, nargs="*", help="report: these learning rates too")
     args = ap.parse_args(argv)
     globals()[args.phase](args)
     return 0
