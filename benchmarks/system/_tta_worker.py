@@ -252,7 +252,7 @@ def setup_method(method: str, task: Task, ddp: DDP, args, topo: Topology):
     if method == "onebitadam":
         opt = OneBitAdam(params, lr=args.lr, weight_decay=wd, freeze_step=warmup)
     else:
-        opt = Birder(params, lr=args.lr, beta=0.95, weight_decay=wd, seed=args.seed)
+        opt = Birder(params, lr=args.lr, beta=0.95, weight_decay=wd, seed=args.seed, **json.loads(args.birder_options))
     attach_ddp_hook(ddp, opt, topology=topo, method="allgather" if method == "birder-flat" else "hierarchical")
     return opt
 
@@ -278,6 +278,7 @@ def main(argv=None) -> int:
     ap.add_argument("--qa-eval", type=int, default=240)
     ap.add_argument("--no-eval", action="store_true", help="time the steps only (evaluate once at the end)")
     ap.add_argument("--work", default=None, help="folder for the generated data (default: next to --out)")
+    ap.add_argument("--birder-options", default="{}", help='JSON keyword arguments for Birder, e.g. {"amsgrad": true}')
     ap.add_argument("--tag", default="", help="JSON object merged into every record")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)

@@ -133,7 +133,8 @@ def run_local(task, method, lr, seed, args, out: Path, **kw) -> None:
     out.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), "--master_addr",
            "127.0.0.1", "--master_port", str(_free_port())]  # fmt: skip
-    cmd += _worker_args(task, method, lr, seed, args, out, extra=["--nodes", "2"], **kw)
+    kw["extra"] = ["--nodes", "2", *kw.get("extra", ())]
+    cmd += _worker_args(task, method, lr, seed, args, out, **kw)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT / "src")}
     t0 = time.perf_counter()
     res = subprocess.run(cmd, env=env, capture_output=True, text=True)

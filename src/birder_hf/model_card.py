@@ -41,7 +41,8 @@ def optimizer_settings(optimizer, communication: dict | None = None) -> dict:
         keys = ("lr", "betas", "eps", "weight_decay", "freeze_step", "bias_correction", "scaling")
         return {k: _configured(g, k) if k == "lr" else g[k] for k in keys}
     if isinstance(opt, Birder):
-        settings = {k: _configured(g, k) if k == "lr" else g[k] for k in ("lr", "beta", "weight_decay", "amsgrad")}
+        keys = ("lr", "beta", "weight_decay", "amsgrad", "lazy")
+        settings = {k: _configured(g, k) if k == "lr" else g[k] for k in keys}
         settings["seed"] = opt.seed
         return {**settings, **(communication or {})}
     raise TypeError(f"expected a birder_hf Birder or OneBitAdam optimizer, got {type(opt).__name__}")

@@ -12,6 +12,10 @@ Deviations from the paper (its full text and code were not available to us; ``do
   ``birder_hf.quantize``, so that resume is exact and the bits do not depend on DDP's bucket layout.
 - ``quantize=False`` and ``amsgrad=True`` are opt-in extras (a single-process reference, and the
   max-variant the paper uses only in its theory).
+- ``lazy=True`` (the default): a coordinate whose gradient is exactly 0 this step does not vote (``u = 0`` there),
+  so one that stops receiving gradient stops moving instead of drifting by ``lr`` per step in its last direction
+  forever (``m`` and ``b`` decay alike, so the paper's ``u = m / b`` stays where it was). ``lazy=False`` is the
+  paper's literal update.
 - Steps with a non-finite gradient are skipped (state and parameters untouched) with a warning.
 
 The optimizer *encodes* (``m, b -> u``) and *applies* (``x <- x - lr (d + wd x)``); turning every rank's ``u``
@@ -61,7 +65,8 @@ class Birder(OneBitOptimizer):
     .. math::
         m_t &= \beta m_{t-1} + (1 - \beta) g_t \\
         b_t &= \beta b_{t-1} + (1 - \beta) |g_t| \qquad (|m_t| \le b_t) \\
-        u_t &= m_t / b_t \quad (0 \text{ where } b_t = 0), \qquad u_t \in [-1, 1] \\
+        u_t &= m_t / b_t \quad (0 \text{ where } b_t = 0, \text{ and where } g_t = 0 \text{ with lazy}),
+            \qquad u_t \in [-1, 1] \\
         q_t &= Q(u_t), \quad P(q_{t,j} = +1) = (1 + u_{t,j}) / 2 \qquad (E[q_t] = u_t) \\
         d_t &= \text{OneBitAllReduce}(q_t) \quad (\text{or } q_t \text{ in one process}) \\
         x_t &= x_{t-1} - \eta_t (d_t + \lambda x_{t-1})
@@ -89,8 +94,9 @@ class Birder(OneBitOptimizer):
     Edge cases: parameters without ``.grad`` are skipped (no state, step not counted); zero-size
     parameters are allowed; integer and complex parameters, and a parameter listed twice, are refused at
     construction; sparse gradients raise. Coordinates whose gradient has always been 0 have :math:`b = 0`, hence
-    :math:`u = 0`; in one process :math:`d = 0` wherever :math:`u = 0` exactly (unbiased, and torch's convention that
-    all-zero gradients leave parameters where they are: only weight decay moves them). Across ranks, pairs of ranks
+    :math:`u = 0` (with ``lazy``, so does every coordinate whose gradient is 0 this step); in one process :math:`d = 0`
+    wherever :math:`u = 0` exactly (unbiased, and torch's convention that all-zero gradients leave parameters where
+    they are: only weight decay moves them). Across ranks, pairs of ranks
     draw antithetically (``birder_hf.quantize``), so such a coordinate gets :math:`d = 0` from the exact-mean methods
     with an even number of ranks (and nodes); one that has to send a single bit, or an odd rank out, gives it a fair
     coin: ``docs/ALGORITHM.md``.
@@ -104,6 +110,12 @@ class Birder(OneBitOptimizer):
         quantize (`bool`, *optional*, defaults to `True`): binary randomization; ``False`` uses
             :math:`d = u` (single process only; a reference, not 1-bit).
         amsgrad (`bool`, *optional*, defaults to `False`): use :math:`\max_{s \le t} b_s` (the theory's variant).
+        lazy (`bool`, *optional*, defaults to `True`): :math:`u = 0` where this step's gradient is exactly 0 (a
+            coordinate without gradient does not vote; ``m`` and ``b`` still decay as in the paper, so they are the
+            same as with ``lazy=False``). Without it, a coordinate that stops receiving gradient keeps
+            :math:`u = m / b` and moves by :math:`\eta` per step in its last direction, without end (embedding rows of
+            absent tokens, unused heads). ``False``: the paper's literal update. ``docs/ALGORITHM.md``, "Coordinates
+            that stop receiving gradient".
         seed (`int`, *optional*): seed of the counter-based random bits, one per optimizer; by default
             ``torch.initial_seed()`` (the seed of ``torch.manual_seed``: runs are repeatable, two optimizers built
             alike step alike, as ``torch.optim``'s do, and building one draws no random number). Saved in
@@ -131,11 +143,12 @@ class Birder(OneBitOptimizer):
         "weight_decay": NON_NEGATIVE,
         "quantize": FLAG,
         "amsgrad": FLAG,
+        "lazy": FLAG,
         "seed": INTEGER,
         "foreach": OPTIONAL_FLAG,
         "maximize": FLAG,
     }
-    optional_settings = ("foreach", "maximize")
+    optional_settings = ("foreach", "maximize", "lazy")
     state_keys = ("step", "exp_avg", "exp_avg_abs", "max_exp_avg_abs", "shard")
     required_state = ("step", "exp_avg", "exp_avg_abs")
     tensor_state = ("exp_avg", "exp_avg_abs", "max_exp_avg_abs")
@@ -149,6 +162,7 @@ class Birder(OneBitOptimizer):
         *,
         quantize: bool = True,
         amsgrad: bool = False,
+        lazy: bool = True,
         seed: int | None = None,
         foreach: bool | None = None,
         maximize: bool = False,
@@ -171,7 +185,7 @@ class Birder(OneBitOptimizer):
                     "betas": "Birder has one beta: pass beta=0.95",
                     "eps": "Birder has no eps (u = m / b needs none)",
                 }
-                known = "its settings are lr, beta, weight_decay, quantize, amsgrad, seed, foreach, maximize"
+                known = "its settings are lr, beta, weight_decay, quantize, amsgrad, lazy, seed, foreach, maximize"
                 raise TypeError(f"Birder got an unknown setting {key}={unknown[key]!r}: {hint.get(key, known)}.")
             if differentiable is not False:
                 raise ValueError(
@@ -188,6 +202,7 @@ class Birder(OneBitOptimizer):
                 weight_decay=weight_decay,
                 quantize=quantize,
                 amsgrad=amsgrad,
+                lazy=lazy,
                 seed=int(seed) if is_integer(seed) else seed,  # a numpy int becomes a Python int (weights_only loads)
                 foreach=foreach,
                 maximize=maximize,
@@ -272,6 +287,7 @@ class Birder(OneBitOptimizer):
             beta=group["beta"],
             maximize=group["maximize"],
             foreach=group["foreach"],
+            lazy=group["lazy"],
             out=out,
             grad_scale=grad_scale,
         )
@@ -391,11 +407,13 @@ def birder_encode(
     beta: float,
     maximize: bool = False,
     foreach: bool | None = None,
+    lazy: bool = True,
     out: EncodeOut | None = None,
     grad_scale: float = 1.0,
 ) -> list[torch.Tensor]:
     r"""Birder's encoder: :math:`m \leftarrow \beta m + (1-\beta) g`, :math:`b \leftarrow \beta b + (1-\beta)|g|`
-    (and :math:`\max b` with amsgrad); returns :math:`u = m / b` (0 where :math:`b = 0`), in ``[-1, 1]``.
+    (and :math:`\max b` with amsgrad); returns :math:`u = m / b` (0 where :math:`b = 0`, and with ``lazy`` where
+    :math:`g = 0` exactly), in ``[-1, 1]``.
 
     Updates the state in place, or, with ``out``, leaves it alone and writes the new values into ``out``'s
     buffers (``out.us=None``: new tensors for ``u``). The single- and multi-tensor paths take the same arguments
@@ -411,7 +429,11 @@ def birder_encode(
         foreach = bool(grads) and all(g.is_cuda for g in grads)
     fn = _multi_tensor_encode if foreach else _single_tensor_encode
     weight = (1 - beta) / grad_scale
-    return fn(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, beta=beta, weight=weight, maximize=maximize, out=out)
+    us = fn(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, beta=beta, weight=weight, maximize=maximize, out=out)
+    if lazy:  # a coordinate without gradient this step does not vote; m and b decayed as usual
+        for u, g in zip(us, grads):
+            u.masked_fill_(g == 0, 0.0)
+    return us
 
 
 def birder_apply(params: list[torch.Tensor], directions: list[torch.Tensor], *, lr: float, weight_decay: float):
@@ -461,11 +483,14 @@ def birder(
     quantize: bool = True,
     maximize: bool = False,
     foreach: bool | None = None,
+    lazy: bool = True,
 ) -> list[torch.Tensor]:
     r"""One-process Birder step (see :class:`Birder`): encode, :math:`d = Q(u)` (0 where :math:`u = 0`; or ``u``
     without ``quantize``), apply. ``keys[i]`` keys the random bits of ``params[i]``. Returns the directions
     :math:`d`."""
-    us = birder_encode(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, beta=beta, maximize=maximize, foreach=foreach)
+    us = birder_encode(
+        grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, beta=beta, maximize=maximize, foreach=foreach, lazy=lazy
+    )
     ds = [_signs(u, key) for u, key in zip(us, keys)] if quantize else us
     birder_apply(params, ds, lr=lr, weight_decay=weight_decay)
     return ds

@@ -122,6 +122,13 @@ class BirderArguments:
         default=None, metadata={"help": "Elements per collective (bounds receive buffers; higher => fewer calls)."}
     )
     amsgrad: bool = field(default=False, metadata={"help": "Use max_t b_t (the theory's variant)."})
+    lazy: bool = field(
+        default=True,
+        metadata={
+            "help": "A coordinate whose gradient is exactly 0 this step does not vote (no drift of stale "
+            "coordinates); False: the paper's literal update."
+        },
+    )
     quantize: bool = field(
         default=True, metadata={"help": "Binary randomization; False sends u itself (one process only, a reference)."}
     )
@@ -159,6 +166,7 @@ class BirderArguments:
             "beta": Birder.settings["beta"],
             "freeze_step": OneBitAdam.settings["freeze_step"],
             "amsgrad": Birder.settings["amsgrad"],
+            "lazy": Birder.settings["lazy"],
             "quantize": Birder.settings["quantize"],
         }
         for name, rule in rules.items():
@@ -452,7 +460,9 @@ class BirderTrainerMixin(ShardedTrainerMixin):
                     dict(betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon, freeze_step=b.freeze_step),
                 )
             else:
-                cls, extra = Birder, dict(beta=b.beta, amsgrad=b.amsgrad, quantize=b.quantize, seed=a.seed)
+                cls, extra = Birder, dict(
+                    beta=b.beta, amsgrad=b.amsgrad, lazy=b.lazy, quantize=b.quantize, seed=a.seed
+                )
             self.optimizer_cls_and_kwargs = (cls, dict(lr=a.learning_rate, weight_decay=a.weight_decay, **extra))
         return super().create_optimizer(model) if model is not None else super().create_optimizer()
 

@@ -1,0 +1,149 @@
+"""Quality per step at the paper's worker counts (issue 25, item 3), in one process.
+
+Birder with n = k x L simulated workers (``simulate_workers.SimulatedWorkers``: the library's encode, votes and mean;
+bit-equal to a real run at 2 x 2) against AdamW, on a time-to-accuracy task (``system/_tta_worker.py``'s model,
+data and schedule: linear warm-up over 5% of the steps, then linear decay), at the same global batch: worker r of n
+takes elements ``[r b, (r + 1) b)`` of the global batch of step s (b = global / n), so every n sees the same samples
+on every step. AdamW takes the whole global batch in one backward (DDP fp32's average of equal shards).
+
+    python benchmarks/simulate_quality.py --task qa --workers 2x2 2x4 4x8 adamw --seeds 0 1 2 --steps 600
+    python benchmarks/simulate_quality.py --task qa --report      # docs/results/simulate_quality.json
+
+Each run appends one JSON line per evaluation to ``--work``/{task}-{workers}-seed{s}.jsonl (resumable: a complete
+run is read, not run again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "system"))
+
+from simulate_workers import SimulatedWorkers  # noqa: E402
+
+PRIMARY = {"qa": ("f1", True), "image": ("top1", True), "lm": ("perplexity", False)}
+GLOBAL_BATCH = {"qa": 32, "image": 32, "lm": 16}  # the protocol's: 4 ranks x 8 (qa, image) or x 4 (lm)
+LR = {"birder": {"qa": 4e-3, "image": 2e-3, "lm": 1e-3}, "adamw": {"qa": 2e-3, "lm": 5e-4}}  # docs/results/tta.json
+
+
+def _run(task_name: str, workers: str, seed: int, args, out: Path) -> None:
+    import torch.distributed as dist
+    from _tta_worker import build_task, lr_lambda
+
+    if out.exists() and any(json.loads(x).get("kind") == "done" for x in out.read_text().splitlines() if x):
+        return
+    out.unlink(missing_ok=True)
+    total = GLOBAL_BATCH[task_name]
+    nodes, local = (1, 1) if workers == "adamw" else map(int, workers.split("x"))
+    n = nodes * local
+    if total % n:
+        raise SystemExit(f"{workers}: {n} workers do not split the global batch of {total}")
+    init = tempfile.NamedTemporaryFile(delete=False)
+    dist.init_process_group("gloo", init_method=f"file://{init.name}", rank=0, world_size=1)
+    try:
+        ns = argparse.Namespace(seed=seed, batch=total // n, qa_train=2400, qa_eval=240)
+        task = build_task(task_name, ns, 0, n, args.work / "data")
+        model, params = task.model, list(task.model.parameters())
+        if workers == "adamw":
+            opt = torch.optim.AdamW(params, lr=LR["adamw"][task_name], weight_decay=0.01)
+            lead = opt
+        else:
+            wd = 0.1 if task_name == "image" else 0.01
+            sim = SimulatedWorkers(params, nodes, local, lr=LR["birder"][task_name], weight_decay=wd, seed=seed)
+            lead = sim.optimizers[0]
+        sched = torch.optim.lr_scheduler.LambdaLR(lead, lr_lambda(args.steps))
+        base = {"task": task_name, "workers": workers, "n": n, "seed": seed, "steps": args.steps, "global_batch": total}
+
+        def emit(rec):
+            with open(out, "a") as f:
+                f.write(json.dumps({**base, **rec}) + "\n")
+
+        def evaluate(step, losses):
+            model.eval()
+            emit({"kind": "eval", "step": step, "train_loss": sum(losses) / max(1, len(losses)),
+                  **task.evaluate(model)})  # fmt: skip
+            model.train()
+
+        evaluate(0, [])
+        losses, t0 = [], time.perf_counter()
+        for step in range(1, args.steps + 1):
+            grads, step_loss = [], 0.0
+            for r in range(n):
+                task.rank = r  # worker r's shard of the global batch
+                model.zero_grad(set_to_none=True)
+                loss = task.loss(model, task.batch(step))
+                loss.backward()
+                step_loss += loss.item() / n
+                grads.append([p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params])
+            if workers == "adamw":
+                opt.step()
+            else:
+                sim.step(grads)
+            sched.step()
+            losses.append(step_loss)
+            if step % args.eval_every == 0 or step == args.steps:
+                evaluate(step, losses)
+                losses = []
+        emit({"kind": "done", "seconds": time.perf_counter() - t0})
+    finally:
+        dist.destroy_process_group()
+        Path(init.name).unlink(missing_ok=True)
+
+
+def report(args) -> dict:
+    key, higher = PRIMARY[args.task]
+    res = {"task": args.task, "metric": key, "global_batch": GLOBAL_BATCH[args.task], "lr": LR, "runs": {}}
+    for workers in args.workers:
+        finals, curves = {}, {}
+        for seed in args.seeds:
+            path = args.work / f"{args.task}-{workers}-seed{seed}.jsonl"
+            recs = [json.loads(x) for x in path.read_text().splitlines() if x] if path.exists() else []
+            if not any(r["kind"] == "done" for r in recs):
+                continue
+            ev = [r for r in recs if r["kind"] == "eval"]
+            curves[seed] = {"steps": [e["step"] for e in ev], key: [e[key] for e in ev]}
+            finals[seed] = ev[-1][key]
+        if finals:
+            res["runs"][workers] = {"final": finals, "median": statistics.median(finals.values()),
+                                    "worst": (min if higher else max)(finals.values()), "curves": curves}  # fmt: skip
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / f"simulate_quality_{args.task}.json").write_text(json.dumps(res, indent=1) + "\n")
+    for w, r in res["runs"].items():
+        print(f"{w}: median {r['median']:.2f}, worst {r['worst']:.2f}, per seed {r['final']}")
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--task", choices=tuple(PRIMARY), default="qa")
+    ap.add_argument("--workers", nargs="+", default=["2x2", "2x4", "4x8", "adamw"], help="KxL nodes x ranks, or adamw")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--work", type=Path, default=ROOT / "outputs" / "simulate_quality")
+    ap.add_argument("--results", type=Path, default=ROOT / "docs" / "results")
+    ap.add_argument("--report", action="store_true")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    if args.report:
+        report(args)
+        return 0
+    args.work.mkdir(parents=True, exist_ok=True)
+    for seed in args.seeds:
+        for workers in args.workers:
+            _run(args.task, workers, seed, args, args.work / f"{args.task}-{workers}-seed{seed}.jsonl")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
