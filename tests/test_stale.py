@@ -1,7 +1,7 @@
 """A coordinate that stops receiving gradient stops moving (DESIGN.md invariant 7; issue 25), on every path.
 
 m and b decay by the same beta when g = 0, so the paper's u = m / b keeps its last value: a coordinate that saw a
-gradient and then only zeros moves by lr every step, in its last direction, without end. ``lazy=True`` (the default)
+gradient and then only zeros moves by lr every step, in its last direction, without end. ``lazy=True`` (opt-in)
 takes u = 0 where this step's gradient is exactly 0: such a coordinate does not vote, and the methods that can
 express 0 (one process; ``allgather`` with an even world size; ``hierarchical`` with ``inter_method="allgather"`` and
 even or unit node counts and sizes) give it d = 0.
@@ -229,7 +229,7 @@ def test_state_dict_from_before_the_option_loads_with_the_constructors_lazy():
     # a checkpoint saved before ``lazy`` existed has no such key: it takes the constructor's value (torch.optim's
     # convention for a newer setting); a saved value wins over the constructor's, as for every setting
     x = torch.nn.Parameter(torch.zeros(N))
-    opt = Birder([x], lr=LR, seed=1)
+    opt = Birder([x], lr=LR, seed=1, lazy=True)
     x.grad = _grad(0, 0)
     opt.step()
     saved = opt.state_dict()

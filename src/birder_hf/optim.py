@@ -12,10 +12,10 @@ Deviations from the paper (its full text and code were not available to us; ``do
   ``birder_hf.quantize``, so that resume is exact and the bits do not depend on DDP's bucket layout.
 - ``quantize=False`` and ``amsgrad=True`` are opt-in extras (a single-process reference, and the
   max-variant the paper uses only in its theory).
-- ``lazy=True`` (the default): a coordinate whose gradient is exactly 0 this step does not vote (``u = 0`` there),
+- ``lazy=True`` (opt-in, ours): a coordinate whose gradient is exactly 0 this step does not vote (``u = 0`` there),
   so one that stops receiving gradient stops moving instead of drifting by ``lr`` per step in its last direction
-  forever (``m`` and ``b`` decay alike, so the paper's ``u = m / b`` stays where it was). ``lazy=False`` is the
-  paper's literal update.
+  forever (``m`` and ``b`` decay alike, so the paper's ``u = m / b`` stays where it was). The default ``lazy=False``
+  is the paper's literal update: ``lazy`` slowed learning on the QA task (``docs/ALGORITHM.md``).
 - Steps with a non-finite gradient are skipped (state and parameters untouched) with a warning.
 
 The optimizer *encodes* (``m, b -> u``) and *applies* (``x <- x - lr (d + wd x)``); turning every rank's ``u``
@@ -110,11 +110,11 @@ class Birder(OneBitOptimizer):
         quantize (`bool`, *optional*, defaults to `True`): binary randomization; ``False`` uses
             :math:`d = u` (single process only; a reference, not 1-bit).
         amsgrad (`bool`, *optional*, defaults to `False`): use :math:`\max_{s \le t} b_s` (the theory's variant).
-        lazy (`bool`, *optional*, defaults to `True`): :math:`u = 0` where this step's gradient is exactly 0 (a
+        lazy (`bool`, *optional*, defaults to `False`): :math:`u = 0` where this step's gradient is exactly 0 (a
             coordinate without gradient does not vote; ``m`` and ``b`` still decay as in the paper, so they are the
             same as with ``lazy=False``). Without it, a coordinate that stops receiving gradient keeps
             :math:`u = m / b` and moves by :math:`\eta` per step in its last direction, without end (embedding rows of
-            absent tokens, unused heads). ``False``: the paper's literal update. ``docs/ALGORITHM.md``, "Coordinates
+            absent tokens, unused heads). ``False``: the paper's literal update (the default, see ``docs/ALGORITHM.md``). ``docs/ALGORITHM.md``, "Coordinates
             that stop receiving gradient".
         seed (`int`, *optional*): seed of the counter-based random bits, one per optimizer; by default
             ``torch.initial_seed()`` (the seed of ``torch.manual_seed``: runs are repeatable, two optimizers built
@@ -162,7 +162,7 @@ class Birder(OneBitOptimizer):
         *,
         quantize: bool = True,
         amsgrad: bool = False,
-        lazy: bool = True,
+        lazy: bool = False,
         seed: int | None = None,
         foreach: bool | None = None,
         maximize: bool = False,
@@ -407,7 +407,7 @@ def birder_encode(
     beta: float,
     maximize: bool = False,
     foreach: bool | None = None,
-    lazy: bool = True,
+    lazy: bool = False,
     out: EncodeOut | None = None,
     grad_scale: float = 1.0,
 ) -> list[torch.Tensor]:
@@ -483,7 +483,7 @@ def birder(
     quantize: bool = True,
     maximize: bool = False,
     foreach: bool | None = None,
-    lazy: bool = True,
+    lazy: bool = False,
 ) -> list[torch.Tensor]:
     r"""One-process Birder step (see :class:`Birder`): encode, :math:`d = Q(u)` (0 where :math:`u = 0`; or ``u``
     without ``quantize``), apply. ``keys[i]`` keys the random bits of ``params[i]``. Returns the directions

@@ -4,7 +4,7 @@ Plain tensor arithmetic, one parameter at a time, no fused kernels: every line i
 update rule. It draws its bits from the same counter-based generator as :class:`birder_hf.Birder`
 (``random_int24``), so with the same seed both take the same random decisions. Where ``u`` is exactly 0 the
 direction is 0 (no coin: a coordinate whose gradient has always been 0 moves by weight decay only). ``lazy=True``
-(the default, as in ``Birder``) sets ``u = 0`` where this step's gradient is exactly 0; ``lazy=False`` is the paper's
+sets ``u = 0`` where this step's gradient is exactly 0; ``lazy=False`` (the default, as in ``Birder``) is the paper's
 literal update.
 """
 
@@ -22,7 +22,7 @@ class BirderReference:
     m / b is taken as 0 where g = 0."""
 
     def __init__(
-        self, params, lr=1e-3, beta=0.95, weight_decay=0.0, *, quantize=True, amsgrad=False, lazy=True, seed=0
+        self, params, lr=1e-3, beta=0.95, weight_decay=0.0, *, quantize=True, amsgrad=False, lazy=False, seed=0
     ):
         self.params = list(params)
         self.lr, self.beta, self.wd = lr, beta, weight_decay

@@ -123,10 +123,10 @@ class BirderArguments:
     )
     amsgrad: bool = field(default=False, metadata={"help": "Use max_t b_t (the theory's variant)."})
     lazy: bool = field(
-        default=True,
+        default=False,
         metadata={
             "help": "A coordinate whose gradient is exactly 0 this step does not vote (no drift of stale "
-            "coordinates); False: the paper's literal update."
+            "coordinates; opt-in: it slowed learning on the QA task); False: the paper's literal update."
         },
     )
     quantize: bool = field(
