@@ -55,14 +55,17 @@ def _run(task_name: str, workers: str, seed: int, args, out: Path) -> None:
         task = build_task(task_name, ns, 0, n, args.work / "data")
         model, params = task.model, list(task.model.parameters())
         if workers == "adamw":
-            opt = torch.optim.AdamW(params, lr=LR["adamw"][task_name], weight_decay=0.01)
+            opt = torch.optim.AdamW(params, lr=_lr(args, task_name, workers), weight_decay=0.01)
             lead = opt
         else:
             wd = 0.1 if task_name == "image" else 0.01
-            sim = SimulatedWorkers(params, nodes, local, lr=LR["birder"][task_name], weight_decay=wd, seed=seed)
+            options = json.loads(args.options)
+            sim = SimulatedWorkers(params, nodes, local, lr=_lr(args, task_name, workers), weight_decay=wd, seed=seed,
+                                   **options)  # fmt: skip
             lead = sim.optimizers[0]
         sched = torch.optim.lr_scheduler.LambdaLR(lead, lr_lambda(args.steps))
-        base = {"task": task_name, "workers": workers, "n": n, "seed": seed, "steps": args.steps, "global_batch": total}
+        base = {"task": task_name, "workers": workers, "n": n, "seed": seed, "steps": args.steps, "global_batch": total,
+                "lr": _lr(args, task_name, workers), "options": json.loads(args.options)}  # fmt: skip
 
         def emit(rec):
             with open(out, "a") as f:
@@ -100,13 +103,24 @@ def _run(task_name: str, workers: str, seed: int, args, out: Path) -> None:
         Path(init.name).unlink(missing_ok=True)
 
 
+def _lr(args, task: str, workers: str) -> float:
+    return args.lr if args.lr is not None else LR["adamw" if workers == "adamw" else "birder"][task]
+
+
+def _path(args, workers: str, seed: int) -> Path:
+    """One run's file: task, workers, learning rate, Birder options (a tag), seed."""
+    tag = "".join(f"-{k}{v}" for k, v in sorted(json.loads(args.options).items())) if workers != "adamw" else ""
+    return args.work / f"{args.task}-{workers}-lr{_lr(args, args.task, workers):g}{tag}-seed{seed}.jsonl"
+
+
 def report(args) -> dict:
     key, higher = PRIMARY[args.task]
-    res = {"task": args.task, "metric": key, "global_batch": GLOBAL_BATCH[args.task], "lr": LR, "runs": {}}
+    res = {"task": args.task, "metric": key, "global_batch": GLOBAL_BATCH[args.task], "options": json.loads(args.options),
+           "lr": {w: _lr(args, args.task, w) for w in args.workers}, "runs": {}}  # fmt: skip
     for workers in args.workers:
         finals, curves = {}, {}
         for seed in args.seeds:
-            path = args.work / f"{args.task}-{workers}-seed{seed}.jsonl"
+            path = _path(args, workers, seed)
             recs = [json.loads(x) for x in path.read_text().splitlines() if x] if path.exists() else []
             if not any(r["kind"] == "done" for r in recs):
                 continue
@@ -129,6 +143,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", nargs="+", default=["2x2", "2x4", "4x8", "adamw"], help="KxL nodes x ranks, or adamw")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the task's tuned one, LR)")
+    ap.add_argument("--options", default="{}", help='Birder keyword arguments as JSON, e.g. \'{"lazy": true}\'')
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--work", type=Path, default=ROOT / "outputs" / "simulate_quality")
     ap.add_argument("--results", type=Path, default=ROOT / "docs" / "results")
@@ -141,7 +157,7 @@ def main(argv=None) -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     for seed in args.seeds:
         for workers in args.workers:
-            _run(args.task, workers, seed, args, args.work / f"{args.task}-{workers}-seed{seed}.jsonl")
+            _run(args.task, workers, seed, args, _path(args, workers, seed))
     return 0
 
 

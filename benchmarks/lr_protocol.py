@@ -1,0 +1,140 @@
+"""Learning rates that hold on seeds nobody tuned on (issue 25, item 2), in one process.
+
+Protocol: each method's peak learning rate is chosen on the tuning seeds (0-2) by the median final metric; a value
+with a diverged seed (non-finite, or worse than the untrained model) is disqualified. The chosen value is then run
+on held-out seeds (3-7) that no choice saw, and the report gives the median *and the worst* held-out seed, and the
+step at which each seed first reaches the time-to-accuracy target (95% of DDP fp32's median final, from
+``docs/results/tta.json``).
+
+Runs use ``simulate_quality.py``'s one-process workers (bit-equal to a real 2 x 2 DDP run with the hook,
+``tests/test_simulate_workers.py``), the TTA tasks' model, data and schedule, and the same global batch.
+
+    python benchmarks/lr_protocol.py --task qa --method 2x2 --grid 1e-3 2e-3 4e-3
+    python benchmarks/lr_protocol.py --task qa --method 2x2 --grid 1e-3 2e-3 4e-3 --options '{"lazy": true}'
+    python benchmarks/lr_protocol.py --task qa --method adamw --grid 1e-3 2e-3 4e-3
+    python benchmarks/lr_protocol.py --task qa --report      # docs/results/lr_protocol_qa.{json,png}
+
+Resumable: a finished run is read from ``--work``, not run again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import simulate_quality as sq  # noqa: E402
+
+TUNE, HELD_OUT = (0, 1, 2), (3, 4, 5, 6, 7)
+
+
+def _args(task, method, lr, options, work, steps, eval_every):
+    return argparse.Namespace(task=task, workers=[method], lr=lr, options=options, work=work, steps=steps,
+                              eval_every=eval_every)  # fmt: skip
+
+
+def _records(args, method, seed):
+    path = sq._path(args, method, seed)
+    recs = [json.loads(x) for x in path.read_text().splitlines() if x] if path.exists() else []
+    return [r for r in recs if r["kind"] == "eval"] if any(r["kind"] == "done" for r in recs) else None
+
+
+def _target(task: str) -> float:
+    return json.loads((ROOT / "docs" / "results" / "tta.json").read_text())["tasks"][task]["target"]
+
+
+def summarize(evals: list[dict], key: str, higher: bool, target: float) -> dict:
+    """Final metric, first step at the target (None: never), and whether the run diverged."""
+    final = evals[-1][key]
+    reached = next((e["step"] for e in evals if (e[key] >= target if higher else e[key] <= target)), None)
+    diverged = not math.isfinite(final) or (final <= evals[0][key] if higher else final >= evals[0][key])
+    return {"final": final, "step_to_target": reached, "diverged": diverged}
+
+
+def run_method(task, method, grid, options, work, steps, eval_every) -> dict:
+    """Tune on TUNE, pick by median (diverged seeds disqualify), run HELD_OUT at the pick. Runs what is missing."""
+    key, higher = sq.PRIMARY[task]
+    target = _target(task)
+    seeds_cache: dict = {}
+
+    def runs(lr, seeds):
+        a = _args(task, method, lr, options, work, steps, eval_every)
+        out = {}
+        for s in seeds:
+            if _records(a, method, s) is None:
+                print(f"[lr_protocol] {task} {method} lr={lr:g} {options} seed {s}", flush=True)
+                sq._run(task, method, s, a, sq._path(a, method, s))
+            evals = _records(a, method, s)
+            out[s] = summarize(evals, key, higher, target) | {
+                "curve": {"steps": [e["step"] for e in evals], key: [e[key] for e in evals]}
+            }
+        seeds_cache[lr] = {**seeds_cache.get(lr, {}), **out}
+        return out
+
+    tuning = {}
+    for lr in grid:
+        res = runs(lr, TUNE)
+        finals = [r["final"] for r in res.values()]
+        ok = not any(r["diverged"] for r in res.values())
+        tuning[f"{lr:g}"] = {"median": statistics.median(finals), "disqualified": not ok,
+                             "per_seed": {s: r["final"] for s, r in res.items()}}  # fmt: skip
+    candidates = {lr: t for lr, t in tuning.items() if not t["disqualified"]}
+    if not candidates:
+        return {"tuning": tuning, "chosen": None}
+    best = (max if higher else min)(candidates, key=lambda lr: candidates[lr]["median"])
+    held = runs(float(best), HELD_OUT)
+    finals = [r["final"] for r in held.values()]
+    steps_to = [r["step_to_target"] for r in held.values()]
+    return {
+        "tuning": tuning,
+        "chosen": float(best),
+        "held_out": {
+            "per_seed": {s: {k: v for k, v in r.items()} for s, r in held.items()},
+            "median": statistics.median(finals),
+            "worst": (min if higher else max)(finals),
+            "reached": sum(s is not None for s in steps_to),
+            "seeds": len(steps_to),
+        },
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--task", choices=tuple(sq.PRIMARY), default="qa")
+    ap.add_argument("--method", default="2x2", help="KxL simulated Birder workers, or adamw")
+    ap.add_argument("--grid", nargs="+", type=float, default=[1e-3, 2e-3, 4e-3])
+    ap.add_argument("--options", default="{}", help="Birder keyword arguments as JSON")
+    ap.add_argument("--label", default=None, help="the row's name in the report (default: method + options)")
+    ap.add_argument("--steps", type=int, default=None, help="default: the TTA task's (docs/results/tta.json)")
+    ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--work", type=Path, default=ROOT / "outputs" / "simulate_quality")
+    ap.add_argument("--results", type=Path, default=ROOT / "docs" / "results")
+    args = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    steps = args.steps or json.loads((ROOT / "docs" / "results" / "tta.json").read_text())["tasks"][args.task]["steps"]
+    args.work.mkdir(parents=True, exist_ok=True)
+    res = run_method(args.task, args.method, args.grid, args.options, args.work, steps, args.eval_every)
+    label = args.label or args.method + ("" if args.options == "{}" else " " + args.options)
+    out = args.results / f"lr_protocol_{args.task}.json"
+    store = json.loads(out.read_text()) if out.exists() else {"task": args.task, "target": _target(args.task)}
+    store.setdefault("methods", {})[label] = {"method": args.method, "options": json.loads(args.options),
+                                             "steps": steps, "grid": args.grid, **res}  # fmt: skip
+    store["protocol"] = f"tune on seeds {list(TUNE)} by the median final, evaluate on held-out seeds {list(HELD_OUT)}"
+    out.write_text(json.dumps(store, indent=1) + "\n")
+    h = res.get("held_out")
+    if h:
+        print(f"{label}: lr {res['chosen']:g}; held-out median {h['median']:.2f}, worst {h['worst']:.2f}, "
+              f"{h['reached']} of {h['seeds']} reach the target")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
