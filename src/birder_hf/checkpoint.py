@@ -385,10 +385,10 @@ def _newest_complete(where: str, candidates, problem=checkpoint_problem, log: bo
     return None
 
 
-def numbered_checkpoints(output_dir: str, pattern: str | re.Pattern = _CHECKPOINT) -> list[tuple[int, str]]:
+def numbered_checkpoints(output_dir: str, pattern: str | re.Pattern | None = None) -> list[tuple[int, str]]:
     """The folders of ``output_dir`` whose names ``pattern`` matches (its first group: the checkpoint's number), as
     ``(number, path)``, newest (highest number) first. Default: the Trainer's ``checkpoint-N``."""
-    pattern = re.compile(pattern)
+    pattern = _CHECKPOINT if pattern is None else re.compile(pattern)
     found = []
     if os.path.isdir(output_dir):
         for name in os.listdir(output_dir):
@@ -411,7 +411,7 @@ def _on_rank_zero(fn):
     return answer[0]
 
 
-def find_resumable_checkpoint(output_dir: str, *, pattern: str | re.Pattern = _CHECKPOINT) -> str | None:
+def find_resumable_checkpoint(output_dir: str, *, pattern: str | re.Pattern | None = None) -> str | None:
     """The newest ``output_dir/checkpoint-N`` that is complete on every rank (:func:`checkpoint_problem`), or ``None``.
 
     What ``--resume_from_checkpoint auto`` resolves to (``BirderTrainer.train``). Newer folders that are not complete
