@@ -152,6 +152,12 @@ def _fails(rank, world, project, other):
     result["listing"] = sorted(os.listdir(os.path.join(project, "checkpoints")))
     result["chosen"] = load_resumable_state(acc)
     result["iteration"] = acc.save_iteration
+    acc.project_configuration.iteration = 0
+    try:
+        acc.save_state()  # accelerate refuses the existing checkpoint_0 (and its marker stays)
+    except ValueError as exc:
+        result["exists"] = str(exc)
+    result["kept"] = checkpoint_problem(os.path.join(project, "checkpoints", "checkpoint_0"))
     result["other"] = load_resumable_state(acc, other)
     result["absent"] = load_resumable_state(acc, os.path.join(other, "absent"))
     acc.project_configuration.automatic_checkpoint_naming = False
@@ -185,6 +191,7 @@ def test_a_rank_that_fails_to_save_fails_every_rank_without_a_marker_and_nothing
         # before writing the next one: nothing to resume from after this failure)
         assert r["listing"] == ["checkpoint_0", "checkpoint_1"]
         assert r["chosen"] == os.path.join(ckpts, "checkpoint_0") and r["iteration"] == 2
+        assert "already exists" in r["exists"] and r["kept"] is None
         assert r["other"] is None and r["absent"] is None
         assert "pass checkpoints_dir=" in r["no_folder"]
     log = r0["log"]

@@ -301,7 +301,8 @@ def _mark_saves_complete(accelerator) -> None:
             folder = None if output_dir is None else os.path.expanduser(os.fspath(output_dir))
         if folder is None:
             return original(output_dir, *args, **kwargs)  # accelerate's own error, on every rank
-        clear_completion_marker(folder)  # every rank, before it writes: a marker never covers a file being rewritten
+        if not automatic:  # (automatic naming refuses an existing folder)
+            clear_completion_marker(folder)  # every rank, before it writes: no marker covers a file being rewritten
         # old checkpoints are rotated away after the new one is marked, not before accelerate writes it
         limit = config.total_limit if automatic else None
         failure, location = None, None

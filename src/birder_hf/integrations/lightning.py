@@ -337,14 +337,23 @@ class BirderDDPStrategy(DDPStrategy):
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # rank 0 writes the .ckpt
         except Exception as exc:  # every rank still joins the marker's all-gather, which then fails everywhere
             failure = exc
+        ckpt = os.path.realpath(filepath)
+        write = self.is_global_zero and failure is None
+        if write and not os.path.isfile(ckpt):
+            write = False
+            rank_zero_warn(
+                f"{filepath} was not on disk after rank 0 saved it (an asynchronous CheckpointIO?), so it is not "
+                "marked complete: find_resumable_lightning_checkpoint will not choose it, and the strategy will not "
+                "resume from it."
+            )
         try:
             mark_checkpoint_complete(
                 folder,
                 rank=self.global_rank,
                 world_size=self.world_size,
-                write=self.is_global_zero,
+                write=write,
                 failed=None if failure is None else f"{type(failure).__name__}: {failure}",
-                extra_files=[os.path.realpath(filepath)] if self.is_global_zero else (),
+                extra_files=[ckpt] if write else (),
             )
         except RuntimeError:
             if failure is not None:
