@@ -24,7 +24,8 @@ rank has written everything, :func:`mark_checkpoint_complete` writes ``birder_co
 the world size and the name and size of every file of the checkpoint. :func:`find_resumable_checkpoint` (what
 ``--resume_from_checkpoint auto`` runs after an elastic restart) takes the newest ``checkpoint-N`` whose marker is
 there and whose files are all there with those sizes; a newer one without it (the job died while writing it) is
-named in the log and left as it is.
+named in the log and left as it is. accelerate's ``save_state`` and Lightning's ``BirderDDPStrategy`` write the same
+marker (``birder_hf.integrations``: ``load_resumable_state``, ``find_resumable_lightning_checkpoint``).
 """
 
 from __future__ import annotations
@@ -370,18 +371,15 @@ def checkpoint_problem(checkpoint_dir: str) -> str | None:
     return None
 
 
-def _newest_complete(where: str, candidates, problem=checkpoint_problem, log: bool = True) -> str | None:
-    # candidates: checkpoint paths, newest first; the first without a problem wins, newer ones are named
+def _newest_complete(where: str, candidates) -> str | None:
+    # candidates: checkpoint folders, newest first; the first complete one wins, newer ones are named
     for path in candidates:
-        why = problem(path)
-        if why is None:
-            if log:
-                logger.info("Resuming from %s, the newest checkpoint complete on every rank.", path)
+        problem = checkpoint_problem(path)
+        if problem is None:
+            logger.info("Resuming from %s, the newest checkpoint complete on every rank.", path)
             return path
-        if log:
-            logger.warning("Not resuming from %s (%s); it is left as it is.", path, why)
-    if log:
-        logger.info("No complete checkpoint in %s: starting fresh.", where)
+        logger.warning("Not resuming from %s (%s); it is left as it is.", path, problem)
+    logger.info("No complete checkpoint in %s: starting fresh.", where)
     return None
 
 
