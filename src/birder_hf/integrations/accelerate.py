@@ -250,7 +250,7 @@ def load_resumable_state(accelerator, checkpoints_dir: str | os.PathLike | None 
     automatic = os.path.join(accelerator.project_dir or "", "checkpoints")
     if config.automatic_checkpoint_naming and os.path.abspath(folder) == os.path.abspath(automatic):
         numbers = [n for n, _ in numbered_checkpoints(folder, _NUMBERED)]
-        # rank 0's listing (the ranks must name the next checkpoint alike), with the choice's broadcast order
+        # rank 0's listing: every rank must name the next checkpoint alike
         config.iteration = max(config.iteration, _rank_zero_value(max(numbers, default=-1) + 1))
     if path is not None:
         accelerator.load_state(path, **load_kwargs)
@@ -324,7 +324,7 @@ def _mark_saves_complete(accelerator) -> None:
                 write=writer,
                 failed=None if failure is None else f"{type(failure).__name__}: {failure}",
             )
-        except RuntimeError as exc:
+        except RuntimeError:
             if failure is not None:
                 raise failure from None
             raise
