@@ -119,7 +119,7 @@ def _recipe_args(name, *argv):
 
 
 def _preflight(*argv):
-    from birder_hf import preflight
+    from birder_hf.cli import preflight
 
     return preflight._config(preflight._parser().parse_args(list(argv)), {})
 
@@ -987,16 +987,16 @@ def test_a_full_disk_says_so_and_keeps_the_previous_checkpoint(tmp_path):
 
 # ------------------------------------------------------------------------- the agreement check's cost
 def _count_checks(rank, world):
-    from birder_hf import collectives
+    from birder_hf import wire
 
     checks = []
-    real = collectives._all_gather
+    real = wire._all_gather
 
     def counting(out, inp, **kwargs):  # the check's all-gather is the only one of int64
         checks.append(inp.dtype == torch.int64)
         return real(out, inp, **kwargs)
 
-    collectives._all_gather = counting
+    wire._all_gather = counting
     topo = Topology.flat()
     counts = []
     for numel in (64, 64, 64, 128, 64):
@@ -1012,7 +1012,7 @@ def _count_checks(rank, world):
         p.grad = torch.randn(40)
         opt.step()
         steps.append(sum(checks))
-    collectives._all_gather = real
+    wire._all_gather = real
     return counts, steps
 
 

@@ -21,18 +21,11 @@ import torch
 import torch.distributed as dist
 
 from .base import Communicator, OneBitOptimizer, Update, all_finite, local_tensor, state_dtype
-from .collectives import (
-    DEFAULT_INTER_METHOD,
-    DEFAULT_METHOD,
-    CommStats,
-    Job,
-    Wire,
-    check_agreement,
-    check_settings,
-    launch_in_order,
-    onebit_all_reduce,
-    then,
-)
+from .agreement import check_agreement
+from .collectives import onebit_all_reduce
+from .lifecycle import then
+from .settings import DEFAULT_INTER_METHOD, DEFAULT_METHOD, check_settings
+from .wire import CommStats, Job, Wire, launch_in_order
 from .topology import Topology
 
 __all__ = [
@@ -377,6 +370,12 @@ class HookState(Communicator):
             self._pending.pop(p, None)
         if self.check_finite and self._flags:
             self._flags.pop()  # the bucket's flag: the last one _begin_bucket appended
+
+    def metrics(self) -> dict[str, float]:
+        """What an integration logs after a step: the bytes sent and the skipped steps, under the optimizer's
+        ``metrics_prefix``."""
+        prefix = self.optimizer.metrics_prefix
+        return {**self.stats.as_dict(prefix), prefix + "skipped_steps": self.skipped_steps}
 
     @property
     def description(self) -> str:

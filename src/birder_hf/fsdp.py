@@ -54,11 +54,10 @@ import torch
 import torch.distributed as dist
 
 from .base import Update, is_sharded, local_tensor, shard_offset, unwrap_optimizer
-from .collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, _check_method
 from .communicators import StepAllReduce, UsageMarks
 from .hook import BirderHookState
-from .onebit_adam import OneBitAdam
 from .optim import Birder, EncodeOut
+from .settings import DEFAULT_INTER_METHOD, DEFAULT_METHOD, check_settings
 from .topology import Topology
 
 __all__ = ["register_birder_fsdp", "FSDPHookState", "fsdp_units", "hsdp_mesh", "shard_model"]
@@ -423,13 +422,10 @@ def register_birder_fsdp(
 
     Collective: every rank calls it, in the same order as its other process-group creations.
     """
-    _check_method(method, inter_method)
+    check_settings(method, inter_method)
     opt = unwrap_optimizer(optimizer)
-    if isinstance(opt, OneBitAdam):
-        raise TypeError(
-            "1-bit Adam on FSDP shards is not implemented (its error feedback is per worker); use Birder, or 1-bit "
-            "Adam with DDP (attach_ddp_hook)."
-        )
+    if getattr(opt, "sharding_refusal", None):
+        raise TypeError(opt.sharding_refusal)
     if not isinstance(opt, Birder):
         raise TypeError(f"register_birder_fsdp needs a birder_hf.Birder optimizer, got {type(opt).__name__}.")
     if opt.communicator is not None:

@@ -35,11 +35,12 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .base import Update, unwrap_optimizer
-from .collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, check_settings, onebit_all_reduce, then
+from .base import OneBitOptimizer, Update, unwrap_optimizer
+from .collectives import onebit_all_reduce
 from .communicators import HookState, _is_dense, agree_setup, setup_group
-from .onebit_adam import OneBitAdam, OneBitAdamHookState, onebit_adam_hook
+from .lifecycle import then
 from .optim import Birder, EncodeOut, StateBuffers
+from .settings import DEFAULT_INTER_METHOD, DEFAULT_METHOD, check_settings
 from .topology import Topology
 
 __all__ = ["BirderHookState", "birder_hook", "attach_ddp_hook", "unwrap_ddp"]
@@ -273,16 +274,16 @@ def attach_ddp_hook(
         check_settings(method, inter_method, chunk_numel)
         ddp = unwrap_ddp(model)
         opt = unwrap_optimizer(optimizer)
-        if not isinstance(opt, (Birder, OneBitAdam)):
+        if not isinstance(opt, OneBitOptimizer):
             raise TypeError(
                 f"The 1-bit hook needs a birder_hf.Birder or OneBitAdam optimizer, got {type(opt).__name__}."
             )
     except Exception as exc:
         agree_setup(setup_group(topology), None, exc, what="attach_ddp_hook")
         raise  # not reached: agree_setup raises
-    if isinstance(opt, OneBitAdam):
-        state = OneBitAdamHookState(opt, topology=topology, check_finite=check_finite, grad_scaler=grad_scaler)
-        hook = onebit_adam_hook
+    own = opt.ddp_hook(topology=topology, check_finite=check_finite, grad_scaler=grad_scaler)
+    if own is not None:  # an optimizer with its own exchange (1-bit Adam)
+        state, hook = own
     else:
         state = BirderHookState(
             opt,

@@ -35,7 +35,7 @@ from .base import (
     state_dtype,
     tensor_problem,
 )
-from .collectives import Job, Wire, fp32_allreduce_bytes, launch_in_order
+from .wire import Job, Wire, fp32_allreduce_bytes, launch_in_order
 from .communicators import HookState
 from .quantize import pack_bits, unpack_bits
 from .topology import Topology
@@ -117,6 +117,20 @@ class OneBitAdam(OneBitOptimizer):
     }
     state_keys = ("step", "exp_avg", "exp_avg_sq", "worker_error", "server_error", "server_shard")
     required_state = ("step", "exp_avg", "exp_avg_sq")
+    takes_all_reduce_settings = False  # its own two-stage exchange
+    loss_scaling = False  # its hook encodes the scaled gradients, and Adam's step depends on their scale
+    sharding_refusal = (
+        "1-bit Adam on FSDP shards is not implemented (its error feedback is per worker); use Birder, or 1-bit "
+        "Adam with DDP (attach_ddp_hook)."
+    )
+    metrics_prefix = "onebit_adam/"
+    card_keys = ("lr", "betas", "eps", "weight_decay", "freeze_step", "bias_correction", "scaling")
+    card_name = "1-bit Adam (Tang et al. ICML 2021; birder-hf OneBitAdam)"
+    card_title = "## Trained with 1-bit Adam (birder-hf)"
+    card_summary = (
+        "This model was trained with birder-hf's 1-bit Adam (Tang et al., ICML 2021): full-precision Adam for "
+        "`freeze_step` steps, then the momentum is exchanged as 1-bit signs with error feedback."
+    )
     tensor_state = ("exp_avg", "exp_avg_sq", "worker_error")
 
     def __init__(
@@ -141,6 +155,10 @@ class OneBitAdam(OneBitOptimizer):
             scaling=scaling,
         )
         super().__init__(params, defaults)  # validates every setting and parameter
+
+    def ddp_hook(self, *, topology, check_finite: bool, grad_scaler):
+        state = OneBitAdamHookState(self, topology=topology, check_finite=check_finite, grad_scaler=grad_scaler)
+        return state, onebit_adam_hook
 
     def _state_problem(self, p: torch.Tensor, state: dict, group: dict) -> str | None:
         problem = super()._state_problem(p, state, group)
@@ -372,6 +390,9 @@ class OneBitAdamHookState(HookState):
     ):
         self.warmup_steps = self.compressed_steps = 0
         super().__init__(optimizer, topology, check_finite=check_finite, grad_scaler=grad_scaler)
+
+    def metrics(self) -> dict[str, float]:
+        return {**super().metrics(), self.optimizer.metrics_prefix + "compressed_steps": self.compressed_steps}
 
     def _check_setup(self, optimizer, topology) -> None:
         super()._check_setup(optimizer, topology)

@@ -54,6 +54,7 @@ import os
 import shutil
 from typing import Any
 
+from ..base import OneBitOptimizer
 from ..checkpoint import read_own_rank_state, save_rank_state
 from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, INTER_METHODS, METHODS
 from ..communicators import HookState
@@ -73,7 +74,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 __all__ = ["BirderDDPStrategy", "birder_state_dir"]
 
-_ONE_BIT = (Birder, OneBitAdam)
+_ONE_BIT = OneBitOptimizer
 
 
 def birder_state_dir(checkpoint_path: str | os.PathLike) -> str:
@@ -102,7 +103,7 @@ def _check_trainer_settings(precision: str, gradient_clip_val: float | None) -> 
 
 
 def _check_precision(precision: str, opt) -> None:
-    if isinstance(opt, OneBitAdam) and str(precision) == "16-mixed":
+    if not opt.loss_scaling and str(precision) == "16-mixed":
         raise ValueError(
             "OneBitAdam cannot train with precision='16-mixed': its hook encodes the loss-scaled gradients, and "
             "Adam's step depends on their scale. Use Trainer(precision='bf16-mixed') (Birder itself trains with "

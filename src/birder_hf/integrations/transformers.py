@@ -535,11 +535,7 @@ class BirderTrainerMixin(ShardedTrainerMixin):
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         state = self.birder_hook_state
         if state is not None and "loss" in logs and state.steps_communicated:
-            prefix = "birder/" if isinstance(state.optimizer, Birder) else "onebit_adam/"
-            logs.update(state.stats.as_dict(prefix))
-            logs[prefix + "skipped_steps"] = state.skipped_steps
-            if isinstance(state.optimizer, OneBitAdam):
-                logs[prefix + "compressed_steps"] = state.compressed_steps
+            logs.update(state.metrics())
         super().log(logs, *args, **kwargs)
 
     def create_model_card(self, *args, metrics: dict[str, float] | None = None, **kwargs) -> None:

@@ -1,0 +1,131 @@
+"""The ranks' agreement on a call of the 1-bit all-reduce, checked once per signature and then cached.
+
+Ranks that call onebit_all_reduce with different sizes or methods would launch collectives that do not match:
+gloo aborts a rank or returns garbage, NCCL hangs until the process-group timeout. The first call with a new
+signature therefore exchanges it (one all-gather of a few int64) and every rank raises the same ValueError if
+they differ; later calls with that signature only look it up in a small per-group cache.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+
+import torch
+
+from .settings import DEFAULT_INTER_METHOD, DEFAULT_METHOD, INTER_METHODS, METHODS, _alignment, _effective_method
+from .settings import check_settings
+from .topology import Topology
+from .wire import DONE, Job, Wire, _check_device, launch_in_order
+
+__all__ = ["check_agreement"]
+
+_SIGNATURE = ("numel", "method", "inter_method", "chunk_numel", "dtype", "num_nodes", "local_world_size")
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_AGREED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # world group -> signatures agreed (LRU)
+_AGREED_LOCK = threading.Lock()
+_AGREED_MAX = 1024  # signatures remembered per group (every rank forgets the same ones: the same call sequence)
+
+
+def _signature(topo: Topology, numel: int, method: str, inter_method: str, step: int, dtype) -> tuple[int, ...]:
+    # step: the elements per round when chunked, 0 for one round
+    return (
+        numel,
+        METHODS.index(method),
+        INTER_METHODS.index(inter_method),
+        step,
+        _DTYPES.index(dtype) if dtype in _DTYPES else -1,
+        topo.num_nodes,
+        topo.local_world_size,
+    )
+
+
+def _claim(topo: Topology, signature: tuple) -> bool:
+    """Whether this call must check ``signature`` with the other ranks: ``True`` on its first use on the topology's
+    world group, which also records it (decided at call time, so every rank decides alike whatever the timing)."""
+    if topo.world_size == 1:
+        return False
+    with _AGREED_LOCK:
+        seen = _AGREED.get(topo.world_group)
+        if seen is None:
+            seen = _AGREED[topo.world_group] = OrderedDict()
+        if signature in seen:
+            seen.move_to_end(signature)
+            return False
+        seen[signature] = None
+        if len(seen) > _AGREED_MAX:
+            seen.popitem(last=False)
+        return True
+
+
+def _agree(topo: Topology, signature: tuple, device: torch.device) -> None:
+    """Exchange ``signature`` with every rank of the topology; all raise the same ``ValueError`` if they differ."""
+    mine = torch.tensor(signature, dtype=torch.int64, device=device)
+    table = Wire(topo, None).all_gather_sync(mine, "world")  # not counted: no bytes of the all-reduce
+    rows = table.view(topo.world_size, -1).tolist()
+    if all(row == rows[0] for row in rows):
+        return
+    with _AGREED_LOCK:  # not agreed after all: a later call with it checks again
+        _AGREED.get(topo.world_group, {}).pop(signature, None)
+    names = {1: METHODS, 2: INTER_METHODS, 4: tuple(str(d).replace("torch.", "") for d in _DTYPES)}
+    differ = []
+    for i, field in enumerate(_SIGNATURE):
+        values = [row[i] for row in rows]
+        if len(set(values)) > 1:
+            shown = [names[i][v] if i in names and 0 <= v < len(names[i]) else v for v in values]
+            if i == 3:
+                shown = [v if v else "None" for v in shown]
+            differ.append(f"{field}: " + ", ".join(f"rank {r} {v}" for r, v in enumerate(shown)))
+    raise ValueError(
+        "onebit_all_reduce: the ranks called it with different arguments (" + "; ".join(differ) + "), so their "
+        "collectives would not match (a rank would hang or read garbage); nothing was exchanged. Every rank must pass "
+        "u with the same number of elements and dtype, the same method, inter_method and chunk_numel, and a topology "
+        "of the same layout."
+    )
+
+
+def _effective_step(chunk_numel: int | None, align: int, padded: int) -> int:
+    # elements per round: all of them, or chunk_numel rounded down to whole bytes of every shard (at least one)
+    return padded if chunk_numel is None else max(align, int(chunk_numel) // align * align)
+
+
+def check_agreement(
+    numel: int,
+    *,
+    topology: Topology | None = None,
+    method: str = DEFAULT_METHOD,
+    inter_method: str = DEFAULT_INTER_METHOD,
+    chunk_numel: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> None:
+    """Check now, with every rank of ``topology``, that all will call :func:`onebit_all_reduce` with ``numel``
+    elements of ``dtype`` and the same settings; every rank raises the same ``ValueError`` otherwise.
+
+    :func:`onebit_all_reduce` does this itself on the first call with new arguments; a caller that must not change
+    any state before a failing check (``StepAllReduce``) calls it first. Collective on a new signature (one
+    all-gather of 7 int64 on ``device``); free afterwards (a cache lookup).
+    """
+    check_settings(method, inter_method, chunk_numel)
+    topo = _default_topology() if topology is None else topology
+    if not isinstance(topo, Topology):
+        raise TypeError(f"topology must be a birder_hf.Topology, got {type(topo).__name__}")
+    method = _effective_method(method, topo.local_world_size, topo.num_nodes)
+    align = _alignment(method, topo.world_size, topo.local_world_size, topo.num_nodes, inter_method)
+    padded = -(-numel // align) * align
+    step = _effective_step(chunk_numel, align, padded) if padded and chunk_numel is not None else 0
+    _check_device(topo.world_group, torch.device(device))
+    signature = _signature(topo, numel, method, inter_method, step, dtype)
+    if not _claim(topo, signature):
+        return
+
+    def start(wire):
+        _agree(topo, signature, torch.device(device))
+        return None, DONE
+
+    launch_in_order(topo, Job(Wire(topo, None), start, lambda wire, recv: None), async_op=False)
+
+
+def _default_topology() -> Topology:
+    return Topology.flat(dedicated=False)
