@@ -24,6 +24,7 @@ from _dist import run_distributed
 from birder_hf import Birder, BirderHookState, OneBitAdam, Topology, onebit_all_reduce
 from birder_hf.checkpoint import load_rank_state, save_rank_state
 from birder_hf.preflight import PreflightError
+from birder_hf.settings import CommSettings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -250,7 +251,7 @@ ROWS = [
     P(
         lambda e: _birder_arguments(inter_method="bogus"),
         ValueError,
-        ["inter_method='bogus'", "allgather, scatter_gather"],
+        ["inter_method 'bogus'", "allgather, scatter_gather"],
         id="args-inter-method",
     ),
     P(
@@ -354,6 +355,18 @@ ROWS = [
         ValueError,
         ["chunk_numel='abc'", "int >= 1"],
         id="allreduce-chunk-numel",
+    ),
+    P(
+        lambda e: onebit_all_reduce(torch.zeros(8), method=CommSettings("allgather"), chunk_numel=16),
+        TypeError,
+        ["inside the CommSettings"],
+        id="allreduce-settings-object-and-strings",
+    ),
+    P(
+        lambda e: CommSettings(method="Hierarchical"),
+        ValueError,
+        ["unknown method 'Hierarchical'", "valid methods"],
+        id="settings-object-method",
     ),
     P(
         lambda e: Birder([_param()], topology="flat"),

@@ -14,8 +14,16 @@ from collections import OrderedDict
 
 import torch
 
-from .settings import DEFAULT_INTER_METHOD, DEFAULT_METHOD, INTER_METHODS, METHODS, _alignment, _effective_method
-from .settings import check_settings
+from .settings import (
+    DEFAULT_INTER_METHOD,
+    DEFAULT_METHOD,
+    INTER_METHODS,
+    METHODS,
+    CommSettings,
+    _alignment,
+    _effective_method,
+    check_settings,
+)
 from .topology import Topology
 from .wire import DONE, Job, Wire, _check_device, launch_in_order
 
@@ -94,7 +102,7 @@ def check_agreement(
     numel: int,
     *,
     topology: Topology | None = None,
-    method: str = DEFAULT_METHOD,
+    method: str | CommSettings = DEFAULT_METHOD,
     inter_method: str = DEFAULT_INTER_METHOD,
     chunk_numel: int | None = None,
     dtype: torch.dtype = torch.float32,
@@ -107,7 +115,8 @@ def check_agreement(
     any state before a failing check (``StepAllReduce``) calls it first. Collective on a new signature (one
     all-gather of 7 int64 on ``device``); free afterwards (a cache lookup).
     """
-    check_settings(method, inter_method, chunk_numel)
+    settings = check_settings(method, inter_method, chunk_numel)
+    method, inter_method, chunk_numel = settings.method, settings.inter_method, settings.chunk_numel
     topo = _default_topology() if topology is None else topology
     if not isinstance(topo, Topology):
         raise TypeError(f"topology must be a birder_hf.Topology, got {type(topo).__name__}")

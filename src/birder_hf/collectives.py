@@ -69,6 +69,7 @@ from .settings import (
     DEFAULT_METHOD,
     INTER_METHODS,
     METHODS,
+    CommSettings,
     _alignment,
     _effective_method,
     check_settings,
@@ -81,6 +82,7 @@ __all__ = [
     "onebit_all_reduce",
     "check_agreement",
     "check_settings",
+    "CommSettings",
     "CommStats",
     "expected_bytes",
     "fp32_allreduce_bytes",
@@ -206,7 +208,7 @@ def onebit_all_reduce(
     u: torch.Tensor,
     *,
     topology: Topology | None = None,
-    method: str = DEFAULT_METHOD,
+    method: str | CommSettings = DEFAULT_METHOD,
     inter_method: str = DEFAULT_INTER_METHOD,
     keys: BitKeys | int | None = None,
     async_op: bool = False,
@@ -232,7 +234,8 @@ def onebit_all_reduce(
             default) also keeps them apart from other collectives, such as DDP's own.
         method (`str`, *optional*, defaults to `"hierarchical"`): ``"allgather"`` (``d`` = exact mean of the
             n votes, multiples of ``1/n``), ``"scatter_gather"`` (``d`` in ``{-1, +1}``) or
-            ``"hierarchical"`` (intra-node exact vote exchange, 1 bit across nodes).
+            ``"hierarchical"`` (intra-node exact vote exchange, 1 bit across nodes); or a :class:`CommSettings`,
+            all three settings already checked (then leave ``inter_method`` and ``chunk_numel`` unset).
         inter_method (`str`, *optional*, defaults to `"allgather"`): hierarchical only: the inter-node
             exchange; ``"allgather"`` gives ``d`` = exact mean of the k node bits, ``"scatter_gather"``
             ``d`` in ``{-1, +1}`` (less inter-node traffic when k > 2).
@@ -271,7 +274,8 @@ def onebit_all_reduce(
             stacklevel=2,
         )
         keys = generator
-    check_settings(method, inter_method, chunk_numel)
+    settings = check_settings(method, inter_method, chunk_numel)
+    method, inter_method, chunk_numel = settings.method, settings.inter_method, settings.chunk_numel
     if not isinstance(u, torch.Tensor) or not u.is_floating_point():
         raise TypeError(f"u must be a floating-point tensor (fp16/bf16/fp32/fp64), got {getattr(u, 'dtype', u)}")
     topo = _default_topology() if topology is None else topology

@@ -24,7 +24,7 @@ from .base import Communicator, OneBitOptimizer, Update, all_finite, local_tenso
 from .agreement import check_agreement
 from .collectives import onebit_all_reduce
 from .lifecycle import then
-from .settings import DEFAULT_INTER_METHOD, DEFAULT_METHOD, check_settings
+from .settings import DEFAULT_INTER_METHOD, DEFAULT_METHOD, CommSettings, check_settings
 from .wire import CommStats, Job, Wire, launch_in_order
 from .topology import Topology
 
@@ -694,19 +694,18 @@ class StepAllReduce(Communicator):
         *,
         topology: Topology | None = None,
         process_group=None,
-        method: str | None = None,
+        method: str | CommSettings | None = None,
         inter_method: str = DEFAULT_INTER_METHOD,
         chunk_numel: int | None = None,
         agree_group=None,
         usage: UsageMarks | None = None,
     ):
-        method = DEFAULT_METHOD if method is None else method
-        check_settings(method, inter_method, chunk_numel)
+        self.comm_settings = check_settings(DEFAULT_METHOD if method is None else method, inter_method, chunk_numel)
         if topology is None:
             topology = Topology.flat(process_group)
         elif not isinstance(topology, Topology):
             raise TypeError(f"topology must be a birder_hf.Topology, got {type(topology).__name__}.")
-        self.topology, self.method, self.inter_method, self.chunk_numel = topology, method, inter_method, chunk_numel
+        self.topology = topology
         self._agree_group = agree_group  # None: the topology's world group (not held here: the exit handler frees it)
         self.usage = usage
         self.stats = CommStats()
@@ -745,23 +744,22 @@ class StepAllReduce(Communicator):
         *,
         topology: Topology | None = None,
         process_group=None,
-        method: str | None = None,
+        method: str | CommSettings | None = None,
         inter_method: str = DEFAULT_INTER_METHOD,
         chunk_numel: int | None = None,
         agree_group=None,
         error: Exception | None = None,
         what: str = "Birder(process_group=...)",
-    ) -> None:
+    ) -> CommSettings:
         """Agree, with every rank, on the settings of the ``StepAllReduce`` about to be built for ``optimizer``
         (:func:`agree_setup`: the optimizer's parameters and settings, the layout and the all-reduce settings), or on
         ``error``, this rank's own failure, which every rank then raises. Collective over ``agree_group``, else the
         topology's group, else ``process_group``, else the default group; call it before building the topology (its
-        groups are collectives the other ranks would wait in)."""
-        method = DEFAULT_METHOD if method is None else method
-        settings = None
+        groups are collectives the other ranks would wait in). Returns the checked settings, to build it with."""
+        settings = comm = None
         if error is None:
             try:
-                check_settings(method, inter_method, chunk_numel)
+                comm = check_settings(DEFAULT_METHOD if method is None else method, inter_method, chunk_numel)
                 if topology is not None:
                     if not isinstance(topology, Topology):
                         raise TypeError(f"topology must be a birder_hf.Topology, got {type(topology).__name__}.")
@@ -779,8 +777,7 @@ class StepAllReduce(Communicator):
                             f"{type(process_group).__name__}."
                         )
                     layout = (1, dist.get_world_size(process_group))
-                own = dict(method=method, inter_method=inter_method, chunk_numel=chunk_numel)
-                settings = communicator_settings("StepAllReduce", optimizer, layout, **own)
+                settings = communicator_settings("StepAllReduce", optimizer, layout, **comm.as_dict())
             except Exception as exc:
                 error = exc
         agree_setup(
@@ -791,6 +788,7 @@ class StepAllReduce(Communicator):
             fix=f"Every rank must build its {type(optimizer).__name__} with the same parameters and settings, and the "
             "same process_group/topology and method",
         )
+        return comm
 
     @property
     def agree_group(self):
@@ -848,9 +846,7 @@ class StepAllReduce(Communicator):
         check_agreement(
             sum(local_tensor(p).numel() for p in ordered),
             topology=self.topology,
-            method=self.method,
-            inter_method=self.inter_method,
-            chunk_numel=self.chunk_numel,
+            method=self.comm_settings,
             dtype=dtype,
             device=dev,
         )
@@ -863,10 +859,8 @@ class StepAllReduce(Communicator):
         d = onebit_all_reduce(
             flat,
             topology=self.topology,
-            method=self.method,
-            inter_method=self.inter_method,
+            method=self.comm_settings,
             keys=keys,
-            chunk_numel=self.chunk_numel,
             stats=self.stats,
             out=flat,
         )

@@ -57,7 +57,7 @@ from .base import Update, is_sharded, local_tensor, shard_offset, unwrap_optimiz
 from .communicators import StepAllReduce, UsageMarks
 from .hook import BirderHookState
 from .optim import Birder, EncodeOut
-from .settings import DEFAULT_INTER_METHOD, DEFAULT_METHOD, check_settings
+from .settings import DEFAULT_INTER_METHOD, DEFAULT_METHOD, CommSettings, check_settings
 from .topology import Topology
 
 __all__ = ["register_birder_fsdp", "FSDPHookState", "fsdp_units", "hsdp_mesh", "shard_model"]
@@ -171,7 +171,7 @@ class FSDPHookState(BirderHookState):
 
     __slots__ = ("_u", "_futures", "_directions")
 
-    def __init__(self, optimizer: Birder, topology: Topology, method: str = DEFAULT_METHOD, **kwargs):
+    def __init__(self, optimizer: Birder, topology: Topology, method: str | CommSettings = DEFAULT_METHOD, **kwargs):
         self._u: dict[int, torch.Tensor] = {}  # unit index -> its u / d buffer, reused every step
         self._futures: list = []
         self._directions: dict[torch.Tensor, torch.Tensor] = {}  # param -> d of its shard (a view of a buffer)
@@ -180,7 +180,7 @@ class FSDPHookState(BirderHookState):
     @property
     def description(self) -> str:
         k = self.topology.num_nodes
-        return f"1-bit {self.method} FSDP hook across {k} node{'s' if k != 1 else ''}"
+        return f"1-bit {self.comm_settings.method} FSDP hook across {k} node{'s' if k != 1 else ''}"
 
     def _watch(self, params) -> None:
         # autograd accumulates into FSDP's unsharded parameters, not these: watch_units marks them instead
@@ -422,7 +422,7 @@ def register_birder_fsdp(
 
     Collective: every rank calls it, in the same order as its other process-group creations.
     """
-    check_settings(method, inter_method)
+    settings = check_settings(method, inter_method, chunk_numel)
     opt = unwrap_optimizer(optimizer)
     if getattr(opt, "sharding_refusal", None):
         raise TypeError(opt.sharding_refusal)
@@ -473,9 +473,7 @@ def register_birder_fsdp(
         StepAllReduce.agree_on_setup(  # the settings every rank's communicator shares, as the hook states agree on
             opt,
             topology=topology,
-            method=method,
-            inter_method=inter_method,
-            chunk_numel=chunk_numel,
+            method=settings,
             agree_group=everyone,
             what="register_birder_fsdp",
         )
@@ -485,23 +483,14 @@ def register_birder_fsdp(
             _watch_units(units, usage)
         communicator = StepAllReduce(
             topology=topology,
-            method=method,
-            inter_method=inter_method,
-            chunk_numel=chunk_numel,
+            method=settings,
             agree_group=everyone,
             usage=usage,
         )
         communicator.attach(opt)
         return communicator
     state = FSDPHookState(
-        opt,
-        topology,
-        method,
-        inter_method=inter_method,
-        chunk_numel=chunk_numel,
-        check_finite=check_finite,
-        agree_group=everyone,
-        grad_scaler=grad_scaler,
+        opt, topology, settings, check_finite=check_finite, agree_group=everyone, grad_scaler=grad_scaler
     )
     try:
         if check_finite:

@@ -40,7 +40,7 @@ from .collectives import onebit_all_reduce
 from .communicators import HookState, _is_dense, agree_setup, setup_group
 from .lifecycle import then
 from .optim import Birder, EncodeOut, StateBuffers
-from .settings import DEFAULT_INTER_METHOD, DEFAULT_METHOD, check_settings
+from .settings import DEFAULT_INTER_METHOD, DEFAULT_METHOD, CommSettings, check_settings
 from .topology import Topology
 
 __all__ = ["BirderHookState", "birder_hook", "attach_ddp_hook", "unwrap_ddp"]
@@ -77,13 +77,13 @@ class BirderHookState(HookState):
     hook_name = "birder_hook"
     skip_unused = True
 
-    __slots__ = ("method", "inter_method", "chunk_numel", "_scratch")
+    __slots__ = ("comm_settings", "_scratch")
 
     def __init__(
         self,
         optimizer: Birder,
         topology: Topology | None = None,
-        method: str = DEFAULT_METHOD,
+        method: str | CommSettings = DEFAULT_METHOD,
         *,
         inter_method: str = DEFAULT_INTER_METHOD,
         chunk_numel: int | None = None,
@@ -91,14 +91,14 @@ class BirderHookState(HookState):
         agree_group=None,
         grad_scaler=None,
     ):
-        self.method, self.inter_method, self.chunk_numel = method, inter_method, chunk_numel
+        self.comm_settings = (method, inter_method, chunk_numel)  # a CommSettings once _check_setup has checked it
         self._scratch: dict[torch.Tensor, StateBuffers] = {}  # param -> the buffers its next step writes into
         super().__init__(
             optimizer, topology, check_finite=check_finite, agree_group=agree_group, grad_scaler=grad_scaler
         )
 
     def _check_setup(self, optimizer, topology) -> None:
-        check_settings(self.method, self.inter_method, self.chunk_numel)
+        self.comm_settings = check_settings(*self.comm_settings)
         super()._check_setup(optimizer, topology)
         if not all(g["quantize"] for g in optimizer.param_groups):
             raise ValueError("quantize=False is for one process only; the 1-bit hook always sends 1 bit.")
@@ -106,14 +106,12 @@ class BirderHookState(HookState):
     def _settings(self, optimizer, layout) -> dict:
         return {
             **super()._settings(optimizer, layout),
-            "method": self.method,
-            "inter_method": self.inter_method,
-            "chunk_numel": self.chunk_numel,
+            **self.comm_settings.as_dict(),
         }
 
     @property
     def description(self) -> str:
-        return f"1-bit {self.method} hook"
+        return f"1-bit {self.comm_settings.method} hook"
 
     def buffer_bytes(self) -> int:
         """Bytes of the buffers kept between steps: the staged ``m``, ``b`` (and max ``b``) of every parameter."""
@@ -132,11 +130,9 @@ class BirderHookState(HookState):
         return onebit_all_reduce(
             u,
             topology=self.topology,
-            method=self.method,
-            inter_method=self.inter_method,
+            method=self.comm_settings,
             keys=keys,
             async_op=True,
-            chunk_numel=self.chunk_numel,
             stats=self._step_stats,
             out=u,
         )
@@ -271,7 +267,7 @@ def attach_ddp_hook(
     ``GradScaler`` as ``grad_scaler`` (Birder only; see :class:`BirderHookState`).
     """
     try:  # this rank's checks; a failure stops every rank together (agree_setup), as the hook states' own checks do
-        check_settings(method, inter_method, chunk_numel)
+        settings = check_settings(method, inter_method, chunk_numel)
         ddp = unwrap_ddp(model)
         opt = unwrap_optimizer(optimizer)
         if not isinstance(opt, OneBitOptimizer):
@@ -285,15 +281,7 @@ def attach_ddp_hook(
     if own is not None:  # an optimizer with its own exchange (1-bit Adam)
         state, hook = own
     else:
-        state = BirderHookState(
-            opt,
-            topology,
-            method,
-            inter_method=inter_method,
-            chunk_numel=chunk_numel,
-            check_finite=check_finite,
-            grad_scaler=grad_scaler,
-        )
+        state = BirderHookState(opt, topology, settings, check_finite=check_finite, grad_scaler=grad_scaler)
         hook = birder_hook
     try:
         ddp.register_comm_hook(state, hook)

@@ -232,10 +232,10 @@ class Birder(OneBitOptimizer):
 
             # every rank of the group learns of this rank's error, or of settings that differ between the ranks,
             # and raises it too (none is left waiting in a collective), before the topology's groups are built
-            StepAllReduce.agree_on_setup(
+            settings = StepAllReduce.agree_on_setup(
                 self, topology=topology, process_group=process_group, method=method, error=error
             )
-            StepAllReduce(topology=topology, process_group=process_group, method=method).attach(self)
+            StepAllReduce(topology=topology, process_group=process_group, method=settings).attach(self)
 
     @property
     def seed(self) -> int:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from .lifecycle import then
 from .topology import Topology
 
-__all__ = ["CommStats", "fp32_allreduce_bytes", "Wire", "Job", "launch_in_order", "DONE"]
+__all__ = ["CommStats", "fp32_allreduce_bytes", "Wire", "Job", "launch_in_order"]
 
 # all_gather_single replaces the deprecated all_gather_into_tensor in torch >= 2.13.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

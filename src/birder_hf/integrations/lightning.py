@@ -56,7 +56,7 @@ from typing import Any
 
 from ..base import OneBitOptimizer
 from ..checkpoint import read_own_rank_state, save_rank_state
-from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, INTER_METHODS, METHODS
+from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, check_settings
 from ..communicators import HookState
 from ..hook import BirderHookState, attach_ddp_hook
 from ..onebit_adam import OneBitAdam
@@ -200,10 +200,7 @@ class BirderDDPStrategy(DDPStrategy):
                 "model_averaging_period asks for post-local SGD, which averages parameters instead of gradients and "
                 "cannot be combined with Birder's 1-bit hook; drop it."
             )
-        if method not in METHODS:
-            raise ValueError(f"Unknown method {method!r}; choose one of {', '.join(METHODS)}.")
-        if inter_method not in INTER_METHODS:
-            raise ValueError(f"Unknown inter_method {inter_method!r}; choose one of {', '.join(INTER_METHODS)}.")
+        check_settings(method, inter_method, chunk_numel)
         if hierarchy_num_nodes is not None and int(hierarchy_num_nodes) < 1:
             raise ValueError(f"hierarchy_num_nodes={hierarchy_num_nodes} must be a positive number of nodes.")
         super().__init__(**kwargs)

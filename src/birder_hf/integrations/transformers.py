@@ -63,7 +63,7 @@ from ..checkpoint import (
     read_own_rank_state,
     save_rank_state,
 )
-from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, INTER_METHODS, METHODS, check_settings
+from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, check_settings
 from ..communicators import HookState
 from ..fsdp import hsdp_mesh, register_birder_fsdp, shard_model
 from ..hook import attach_ddp_hook
@@ -157,10 +157,6 @@ class BirderArguments:
         # the same rules as the objects these settings build (set from Python, a value may have any type)
         if self.optimizer not in self.optimizers:
             raise ValueError(f"optimizer={self.optimizer!r}; choose one of {', '.join(self.optimizers)}.")
-        if self.method not in METHODS:
-            raise ValueError(f"method={self.method!r}; choose one of {', '.join(METHODS)}.")
-        if self.inter_method not in INTER_METHODS:
-            raise ValueError(f"inter_method={self.inter_method!r}; choose one of {', '.join(INTER_METHODS)}.")
         check_settings(self.method, self.inter_method, self.chunk_numel)
         rules = {
             "beta": Birder.settings["beta"],
