@@ -43,6 +43,7 @@ MODULES = [
     "birder_hf.preflight",
     "birder_hf.integrations.accelerate",
     "birder_hf.integrations.transformers",
+    "birder_hf.integrations.hsdp_trainer",
     "birder_hf.integrations.timm",
     "birder_hf.integrations.lightning",
 ]
