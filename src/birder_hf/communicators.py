@@ -24,7 +24,7 @@ from .base import Communicator, OneBitOptimizer, Update, all_finite, local_tenso
 from .agreement import check_agreement
 from .collectives import onebit_all_reduce
 from .lifecycle import then
-from .settings import DEFAULT_INTER_METHOD, DEFAULT_METHOD, CommSettings, check_settings
+from .settings import DEFAULT_METHOD, CommSettings, check_settings
 from .wire import CommStats, Job, Wire, launch_in_order
 from .topology import Topology
 
@@ -669,11 +669,9 @@ class StepAllReduce(Communicator):
     concatenated ``u`` of those parameters.
 
     Args:
+        settings (`CommSettings`): the ``onebit_all_reduce`` settings (what :meth:`agree_on_setup` returns).
         topology (`Topology`, *optional*): the ranks and their nodes; default ``Topology.flat(process_group)``.
         process_group (`ProcessGroup`, *optional*): the ranks, when no ``topology`` is given.
-        method (`str`, *optional*, defaults to `"hierarchical"`): the ``onebit_all_reduce`` method.
-        inter_method (`str`, *optional*, defaults to `"allgather"`): hierarchical only.
-        chunk_numel (`int`, *optional*): bound on the elements per collective.
         agree_group (`ProcessGroup`, *optional*): the ranks that agree on skipped steps and used parameters (default:
             the topology's); sharded parameters need every rank of the mesh (``birder_hf.fsdp`` passes it).
         usage (`UsageMarks`, *optional*): which parameters this rank used (``birder_hf.fsdp`` watches FSDP's unsharded
@@ -691,16 +689,16 @@ class StepAllReduce(Communicator):
 
     def __init__(
         self,
+        settings: CommSettings,
         *,
         topology: Topology | None = None,
         process_group=None,
-        method: str | CommSettings | None = None,
-        inter_method: str = DEFAULT_INTER_METHOD,
-        chunk_numel: int | None = None,
         agree_group=None,
         usage: UsageMarks | None = None,
     ):
-        self.comm_settings = check_settings(DEFAULT_METHOD if method is None else method, inter_method, chunk_numel)
+        if not isinstance(settings, CommSettings):
+            raise TypeError(f"settings must be a CommSettings (agree_on_setup returns it), got {settings!r}")
+        self.comm_settings = settings
         if topology is None:
             topology = Topology.flat(process_group)
         elif not isinstance(topology, Topology):
@@ -741,12 +739,10 @@ class StepAllReduce(Communicator):
     @staticmethod
     def agree_on_setup(
         optimizer,
+        method: str | CommSettings | None = None,
         *,
         topology: Topology | None = None,
         process_group=None,
-        method: str | CommSettings | None = None,
-        inter_method: str = DEFAULT_INTER_METHOD,
-        chunk_numel: int | None = None,
         agree_group=None,
         error: Exception | None = None,
         what: str = "Birder(process_group=...)",
@@ -759,7 +755,7 @@ class StepAllReduce(Communicator):
         settings = comm = None
         if error is None:
             try:
-                comm = check_settings(DEFAULT_METHOD if method is None else method, inter_method, chunk_numel)
+                comm = check_settings(DEFAULT_METHOD if method is None else method)
                 if topology is not None:
                     if not isinstance(topology, Topology):
                         raise TypeError(f"topology must be a birder_hf.Topology, got {type(topology).__name__}.")

@@ -481,12 +481,7 @@ def register_birder_fsdp(
         if units is not None:
             usage = UsageMarks()
             _watch_units(units, usage)
-        communicator = StepAllReduce(
-            topology=topology,
-            method=settings,
-            agree_group=everyone,
-            usage=usage,
-        )
+        communicator = StepAllReduce(settings, topology=topology, agree_group=everyone, usage=usage)
         communicator.attach(opt)
         return communicator
     state = FSDPHookState(

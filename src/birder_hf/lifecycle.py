@@ -90,7 +90,7 @@ _EXIT_TIMEOUT_S = 10.0  # a finished run needs milliseconds; a peer that died mu
 
 
 def then(fut: torch.futures.Future, fn: Callable) -> torch.futures.Future:
-    """``fut.then(fn)``, with ``fn`` counted until torch has released it on the backend's thread (see the module docstring)."""
+    """``fut.then(fn)``, with ``fn`` counted until torch has released it on the backend's thread (module docstring)."""
     cb = _Callback(fn)
     _LIVE.add(cb)
     return fut.then(cb)

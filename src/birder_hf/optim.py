@@ -235,7 +235,7 @@ class Birder(OneBitOptimizer):
             settings = StepAllReduce.agree_on_setup(
                 self, topology=topology, process_group=process_group, method=method, error=error
             )
-            StepAllReduce(topology=topology, process_group=process_group, method=settings).attach(self)
+            StepAllReduce(settings, topology=topology, process_group=process_group).attach(self)
 
     @property
     def seed(self) -> int:

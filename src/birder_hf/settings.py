@@ -121,7 +121,9 @@ class CommSettings:
 
 
 def check_settings(
-    method: str | CommSettings = DEFAULT_METHOD, inter_method: str = DEFAULT_INTER_METHOD, chunk_numel: int | None = None
+    method: str | CommSettings = DEFAULT_METHOD,
+    inter_method: str = DEFAULT_INTER_METHOD,
+    chunk_numel: int | None = None,
 ) -> CommSettings:
     """The :class:`CommSettings` of ``method``, ``inter_method`` and ``chunk_numel``; ``ValueError`` if one is invalid.
 
