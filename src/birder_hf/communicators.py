@@ -201,7 +201,7 @@ class Staged(NamedTuple):
 
 
 class BucketGrad(NamedTuple):
-    """One parameter of a DDP bucket, as the hooks see it (:meth:`HookState._begin_bucket`)."""
+    """One parameter of a DDP bucket, as the hooks see it (:meth:`HookState.begin_bucket`)."""
 
     param: torch.Tensor
     grad: torch.Tensor  # the bucket's view of its gradient, in the order DDP filled it
@@ -213,7 +213,7 @@ class BucketGrad(NamedTuple):
 class HookState(Communicator):
     """Base of the DDP communication hooks' states (see the module docstring).
 
-    Subclasses set ``optimizer_class`` and ``hook_name``, call :meth:`_begin_bucket` first and :meth:`_end_bucket`
+    Subclasses set ``optimizer_class`` and ``hook_name``, call :meth:`begin_bucket` first and :meth:`end_bucket`
     last in the hook, and consume :meth:`finish_step`'s result in their optimizer's ``step()``.
 
     Non-finite gradients: every bucket's gradient is checked; with the last bucket of a backward the ranks agree (one
@@ -253,7 +253,7 @@ class HookState(Communicator):
         # per-step buffers
         "_pending",
         "_flags",
-        "_step_stats",
+        "step_stats",
         "_verdict",
         "_marks",  # the parameters that got a gradient on this rank since the last step (UsageMarks)
         "_skipping",  # this step's agreed verdict was non-finite, and the step is dropped (a GradScaler skips it)
@@ -317,7 +317,7 @@ class HookState(Communicator):
         # used, per parameter in the optimizer's order]
         self._verdict: torch.Tensor | None = None
         self._layouts: dict[torch.Tensor, tuple] = {}  # param -> (where, filled strided, read back through .grad)
-        self.stats, self.last_step_stats, self._step_stats = CommStats(), CommStats(), CommStats()
+        self.stats, self.last_step_stats, self.step_stats = CommStats(), CommStats(), CommStats()
         self.steps_communicated = self.skipped_steps = 0
         self._marks = UsageMarks()
         self.attach(optimizer)
@@ -364,12 +364,12 @@ class HookState(Communicator):
         """The ranks that agree a step is finite: the topology's (DDP), or every rank of the mesh (FSDP)."""
         return self.topology.world_group if self._agree_group is None else self._agree_group
 
-    def _abort_bucket(self, params: list[torch.Tensor]) -> None:
+    def abort_bucket(self, params: list[torch.Tensor]) -> None:
         """Forget what the current bucket staged (its hook failed): the next backward starts clean."""
         for p in params:
             self._pending.pop(p, None)
         if self.check_finite and self._flags:
-            self._flags.pop()  # the bucket's flag: the last one _begin_bucket appended
+            self._flags.pop()  # the bucket's flag: the last one begin_bucket appended
 
     def metrics(self) -> dict[str, float]:
         """What an integration logs after a step: the bytes sent and the skipped steps, under the optimizer's
@@ -403,10 +403,10 @@ class HookState(Communicator):
         self.topology.close()
 
     # ------------------------------------------------------------------------------------------ buckets
-    def _begin_bucket(self, bucket) -> list[BucketGrad]:
+    def begin_bucket(self, bucket) -> list[BucketGrad]:
         """The bucket's parameters with their gradients and groups, checked (:class:`BucketGrad`); counts the bucket's
         finite flag. Drops the state staged by a backward whose step a ``GradScaler`` skipped."""
-        self._begin_backward()
+        self.begin_backward()
         opt, buffer = self.optimizer, bucket.buffer()
         items, offset = [], 0
         for p in bucket.parameters():
@@ -426,7 +426,7 @@ class HookState(Communicator):
             items.append(self._bucket_grad(bucket.index(), buffer, p, group, offset))
             offset += p.numel()
         if self.check_finite:
-            self._flag_nonfinite(buffer)
+            self.flag_nonfinite(buffer)
             if self.skip_unused:  # a parameter added since: watched from now on, counted as used this step
                 new = [b.param for b in items if b.param not in self._marks.watched]
                 self._watch(new)
@@ -434,7 +434,7 @@ class HookState(Communicator):
         self._verdict = None
         return items
 
-    def _begin_backward(self) -> None:
+    def begin_backward(self) -> None:
         """Called as each bucket (unit) of a backward begins: drops the state staged by a backward whose step was
         skipped without ``step()`` (a ``GradScaler`` skipped the call)."""
         self.topology._check_open()
@@ -450,7 +450,7 @@ class HookState(Communicator):
             self._scale = grad_scaler_scale(self.grad_scaler)
         return self._scale
 
-    def _flag_nonfinite(self, t: torch.Tensor) -> None:
+    def flag_nonfinite(self, t: torch.Tensor) -> None:
         """Record (on ``t``'s device, no host sync) whether ``t`` holds a non-finite value; agreed later."""
         self._flags.append(_nonfinite_flag(t))
 
@@ -471,7 +471,7 @@ class HookState(Communicator):
     def _bad_verdict(self) -> bool:
         return self._verdict is not None and self._verdict[0].item() != 0
 
-    def _end_bucket(self, bucket, fut: torch.futures.Future) -> torch.futures.Future:
+    def end_bucket(self, bucket, fut: torch.futures.Future) -> torch.futures.Future:
         """The Future to hand to DDP for ``bucket``: ``fut``, and after the last bucket the ranks' agreement on
         non-finite gradients (a NaN direction on every rank if any rank had one; see the class docstring)."""
         if not (self.check_finite and bucket.is_last()):
@@ -522,7 +522,7 @@ class HookState(Communicator):
         fill = strided if fill_strided else plain
         return BucketGrad(p, fill, group, offset, fill if through_grad else strided)
 
-    def _stage(self, p: torch.Tensor, group: dict, record) -> None:
+    def stage(self, p: torch.Tensor, group: dict, record) -> None:
         self._pending[p] = Staged(group, record)
 
     # --------------------------------------------------------------------------------------------- steps
@@ -589,7 +589,7 @@ class HookState(Communicator):
         pending, self._pending, self._flags = self._pending, {}, []
         self._scale = None
         self._marks.clear()
-        step_stats, self._step_stats = self._step_stats, CommStats()
+        step_stats, self.step_stats = self.step_stats, CommStats()
         self.stats += step_stats
         self.last_step_stats = step_stats
         return pending

@@ -56,7 +56,7 @@ import torch.distributed as dist
 from .base import Update, is_sharded, local_tensor, shard_offset, unwrap_optimizer
 from .communicators import StepAllReduce, UsageMarks
 from .hook import BirderHookState
-from .optim import Birder, EncodeOut
+from .optim import Birder
 from .settings import DEFAULT_INTER_METHOD, DEFAULT_METHOD, CommSettings, check_settings
 from .topology import Topology
 
@@ -214,7 +214,7 @@ class FSDPHookState(BirderHookState):
 
     def reduce(self, index: int, unit: FSDPUnit, reduce_output: torch.Tensor) -> None:
         """The hook body for unit ``index``: encode its shard of the node-averaged gradient, start the all-reduce."""
-        self._begin_backward()
+        self.begin_backward()
         opt, layout = self.optimizer, unit.layout()
         expected = sum(n for _, n in layout)
         if reduce_output.numel() != expected:
@@ -244,27 +244,12 @@ class FSDPHookState(BirderHookState):
             offset += taken
         work = torch.float64 if reduce_output.dtype == torch.float64 else torch.float32
         u = self._unit_buffer(index, sum(g.numel() for g in grads), work, reduce_output.device)
-        steps, at = [], 0
-        by_group: dict[int, tuple[dict, list, list, list]] = {}
-        for p, g in zip(params, grads):
-            group = opt.group_of(p)
-            steps.append(int(opt.init_state(p, group)["step"]) + 1)
-            ps, gs, us = by_group.setdefault(id(group), (group, [], [], []))[1:]
-            ps.append(p)
-            gs.append(g)
-            us.append(u[at : at + g.numel()].view(g.shape))
-            self._directions[p] = us[-1]
-            at += g.numel()
-        for group, ps, gs, us in by_group.values():
-            bufs = [self._buffers(p, opt.state[p], group["amsgrad"]) for p in ps]
-            maxes = [b.max_exp_avg_abs for b in bufs] if group["amsgrad"] else None
-            staged = EncodeOut([b.exp_avg for b in bufs], [b.exp_avg_abs for b in bufs], maxes, us)
-            opt.encode(group, ps, gs, out=staged, grad_scale=self.loss_scale())
-            for p, b in zip(ps, bufs):
-                self._stage(p, group, b)
+        items = [(p, g, opt.group_of(p)) for p, g in zip(params, grads)]
+        params, us, keys = self.encode_and_stage(items, u)
+        self._directions.update(zip(params, us))
         if self.check_finite:
-            self._flag_nonfinite(u)  # u = m / b is NaN exactly where the gradient was not finite
-        self._futures.append(self._all_reduce_async(u, opt.bit_keys(params, steps)))
+            self.flag_nonfinite(u)  # u = m / b is NaN exactly where the gradient was not finite
+        self._futures.append(self._all_reduce_async(u, keys))
 
     def finish_step(self) -> list[Update] | None:
         """Wait for the exchanges, agree the step is finite, commit ``m``, ``b`` and hand ``d`` to ``step()``."""

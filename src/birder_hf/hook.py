@@ -30,7 +30,6 @@ before the last; the hook then sees the accumulated local gradient once per step
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
 import math
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -125,6 +124,32 @@ class BirderHookState(HookState):
             self._scratch[p] = bufs
         return bufs
 
+    def encode_and_stage(self, items: list[tuple[torch.Tensor, torch.Tensor, dict]], u_flat: torch.Tensor):
+        """Encode ``items`` (parameter, its gradient, its group) into consecutive views of ``u_flat`` (logical order,
+        as in ``Birder.step()``) and stage their new ``m``, ``b`` for :meth:`finish_step`. Returns the parameters, their
+        ``u`` views and the keys of their bits."""
+        opt = self.optimizer
+        params, us, steps, at = [], [], [], 0
+        by_group: dict[int, tuple[dict, list, list, list]] = {}
+        for p, g, group in items:
+            steps.append(int(opt.init_state(p, group)["step"]) + 1)
+            u = u_flat[at : at + g.numel()].view(g.shape)
+            ps, gs, vs = by_group.setdefault(id(group), (group, [], [], []))[1:]
+            ps.append(p)
+            gs.append(g)
+            vs.append(u)
+            params.append(p)
+            us.append(u)
+            at += g.numel()
+        for group, ps, gs, vs in by_group.values():
+            bufs = [self._buffers(p, opt.state[p], group["amsgrad"]) for p in ps]
+            maxes = [b.max_exp_avg_abs for b in bufs] if group["amsgrad"] else None
+            staged = EncodeOut([b.exp_avg for b in bufs], [b.exp_avg_abs for b in bufs], maxes, vs)
+            opt.encode(group, ps, gs, out=staged, grad_scale=self.loss_scale())
+            for p, b in zip(ps, bufs):
+                self.stage(p, group, b)
+        return params, us, opt.bit_keys(params, steps)
+
     def _all_reduce_async(self, u: torch.Tensor, keys) -> torch.futures.Future:
         """Start the 1-bit all-reduce of ``u`` (flat, overwritten with ``d``) with this state's settings."""
         return onebit_all_reduce(
@@ -133,7 +158,7 @@ class BirderHookState(HookState):
             method=self.comm_settings,
             keys=keys,
             async_op=True,
-            stats=self._step_stats,
+            stats=self.step_stats,
             out=u,
         )
 
@@ -153,13 +178,6 @@ class BirderHookState(HookState):
         return updates
 
 
-class _GroupWork(NamedTuple):
-    group: dict
-    params: list
-    grads: list
-    us: list
-
-
 def birder_hook(state: BirderHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: 1-bit all-reduce of Birder's ``u`` for one bucket (see module docstring).
 
@@ -168,11 +186,11 @@ def birder_hook(state: BirderHookState, bucket: dist.GradBucket) -> torch.future
     """
     opt = state.optimizer
     buffer = bucket.buffer()
-    items = state._begin_bucket(bucket)
+    items = state.begin_bucket(bucket)
     try:
         return _start_bucket(state, opt, bucket, buffer, items)
     except BaseException:
-        state._abort_bucket([b.param for b in items])  # nothing of this bucket stays staged
+        state.abort_bucket([b.param for b in items])  # nothing of this bucket stays staged
         raise
 
 
@@ -181,42 +199,16 @@ def _start_bucket(state: BirderHookState, opt: Birder, bucket, buffer: torch.Ten
     opt.check_state_matches([b.param for b in items])
     u_dtype = torch.float64 if buffer.dtype == torch.float64 else torch.float32
     u_flat = torch.empty(buffer.numel(), dtype=u_dtype, device=buffer.device)
-
-    by_group: dict[int, _GroupWork] = {}
-    params, steps, offset = [], [], 0
-    strided = []  # (offset, shape, strides) of the gradients the bucket holds in another memory order
-    for p, g, group, *_ in items:
-        st = opt.init_state(p, group)
+    params, _, keys = state.encode_and_stage([(b.param, b.grad, b.group) for b in items], u_flat)
+    strided, offset = [], 0  # (offset, shape, strides) of the gradients the bucket holds in another memory order
+    for p in params:
         if _is_dense(p) and not p.is_contiguous():  # DDP reads a new result tensor with p's strides
             strided.append((offset, p.shape, p.stride()))
-        work = by_group.setdefault(id(group), _GroupWork(group, [], [], []))
-        work.params.append(p)
-        work.grads.append(g)
-        work.us.append(u_flat[offset : offset + p.numel()].view(p.shape))  # u in logical order, as in step()
-        params.append(p)
-        steps.append(int(st["step"]) + 1)
         offset += p.numel()
-
-    for group, ps, gs, us in by_group.values():
-        bufs = [state._buffers(p, opt.state[p], group["amsgrad"]) for p in ps]
-        amsgrad = group["amsgrad"]
-        staged = EncodeOut(
-            [b.exp_avg for b in bufs], [b.exp_avg_abs for b in bufs], [b.max_exp_avg_abs for b in bufs], us
-        )
-        opt.encode(
-            group,
-            ps,
-            gs,
-            out=staged if amsgrad else staged._replace(max_exp_avg_abss=None),
-            grad_scale=state.loss_scale(),
-        )
-        for p, b in zip(ps, bufs):
-            state._stage(p, group, b)
-
-    fut = state._all_reduce_async(u_flat, opt.bit_keys(params, steps))
+    fut = state._all_reduce_async(u_flat, keys)
     if buffer.dtype != u_dtype or strided:
         fut = then(fut, lambda f: _to_bucket_layout(f.value().to(buffer.dtype), strided))
-    return state._end_bucket(bucket, fut)
+    return state.end_bucket(bucket, fut)
 
 
 def _to_bucket_layout(d: torch.Tensor, strided: list) -> torch.Tensor:

@@ -428,11 +428,11 @@ def onebit_adam_hook(state: OneBitAdamHookState, bucket: dist.GradBucket) -> tor
     One all-to-all and one all-gather of ``(c/8 + 4k)`` bytes per peer per bucket (``c`` the elements
     of one shard of the bucket's ``k`` parameters, padded to whole bytes).
     """
-    items = state._begin_bucket(bucket)
+    items = state.begin_bucket(bucket)
     try:
         return _start_bucket(state, bucket, bucket.buffer(), items)
     except BaseException:
-        state._abort_bucket([item.param for item in items])  # nothing of this bucket stays staged
+        state.abort_bucket([item.param for item in items])  # nothing of this bucket stays staged
         raise
 
 
@@ -446,13 +446,13 @@ def _start_bucket(state: OneBitAdamHookState, bucket, buffer: torch.Tensor, item
             "A DDP bucket holds parameters in both phases (their step counts differ): every parameter of the model "
             "must be stepped together, and a checkpoint must hold the state of every parameter."
         )
-    stats = state._step_stats
+    stats = state.step_stats
     stats.calls += 1
     stats.fp32_allreduce_bytes += fp32_allreduce_bytes(buffer.numel(), n)
 
     if not phases or not phases.pop():  # warm-up: average in full precision (allreduce_hook)
         for item in items:
-            state._stage(item.param, item.group, _Warmup(item.grad))
+            state.stage(item.param, item.group, _Warmup(item.grad))
         moved = [item for item in items if item.grad.stride() != item.in_place.stride()]
 
         def start(wire):
@@ -465,7 +465,7 @@ def _start_bucket(state: OneBitAdamHookState, bucket, buffer: torch.Tensor, item
                 item.in_place.copy_(item.grad.clone())
             return recv
 
-        return state._end_bucket(bucket, launch_in_order(topo, Job(Wire(topo, stats), start, finish)))
+        return state.end_bucket(bucket, launch_in_order(topo, Job(Wire(topo, stats), start, finish)))
 
     # compressed: worker side, here on the autograd thread
     layout, records, signs_list, scales_list, col = [], [], [], [], 0
@@ -473,7 +473,7 @@ def _start_bucket(state: OneBitAdamHookState, bucket, buffer: torch.Tensor, item
         st = opt.init_error_buffers(p, rank, n)
         signs, scales, ew = compress_with_feedback(_local_momentum(st, g, group), n, group["scaling"])
         record = _Compressed(ew.view_as(p))
-        state._stage(p, group, record)
+        state.stage(p, group, record)
         records.append(record)
         signs_list.append(signs)
         scales_list.append(scales)
@@ -511,7 +511,7 @@ def _start_bucket(state: OneBitAdamHookState, bucket, buffer: torch.Tensor, item
             seg.out.copy_(record.m_bar)
         return buffer
 
-    return state._end_bucket(bucket, launch_in_order(topo, Job(Wire(topo, stats), start, finish)))
+    return state.end_bucket(bucket, launch_in_order(topo, Job(Wire(topo, stats), start, finish)))
 
 
 class _Segment(NamedTuple):
