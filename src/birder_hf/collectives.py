@@ -281,7 +281,7 @@ def onebit_all_reduce(
     topo = _default_topology() if topology is None else topology
     if not isinstance(topo, Topology):
         raise TypeError(f"topology must be a birder_hf.Topology, got {type(topo).__name__}")
-    topo._check_open()
+    topo.check_open()
     _check_device(topo.world_group, u.device)
     flat, shape = u.detach().reshape(-1), u.shape
     numel, n = flat.numel(), topo.world_size

@@ -352,7 +352,7 @@ class HookState(Communicator):
         if topology is not None and not isinstance(topology, Topology):
             raise TypeError(f"topology must be a birder_hf.Topology, got {type(topology).__name__}.")
         if topology is not None:
-            topology._check_open()
+            topology.check_open()
 
     def _settings(self, optimizer, layout: tuple[int, int]) -> dict:
         """What every rank's hook state must share (:func:`communicator_settings`): its own settings, the layout, the
@@ -437,7 +437,7 @@ class HookState(Communicator):
     def begin_backward(self) -> None:
         """Called as each bucket (unit) of a backward begins: drops the state staged by a backward whose step was
         skipped without ``step()`` (a ``GradScaler`` skipped the call)."""
-        self.topology._check_open()
+        self.topology.check_open()
         self._skipping = False
         if self._pending and self._bad_verdict():
             self._skip()  # nobody asked: step() was not called after the last backward's non-finite verdict
@@ -759,7 +759,7 @@ class StepAllReduce(Communicator):
                 if topology is not None:
                     if not isinstance(topology, Topology):
                         raise TypeError(f"topology must be a birder_hf.Topology, got {type(topology).__name__}.")
-                    topology._check_open()
+                    topology.check_open()
                     layout = (topology.num_nodes, topology.local_world_size)
                 else:
                     if process_group is getattr(dist.GroupMember, "NON_GROUP_MEMBER", object()):

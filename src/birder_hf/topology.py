@@ -355,7 +355,8 @@ class Topology:
         finalization)."""
         close_tracked()
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """Raise ``RuntimeError`` if :meth:`close` released this topology's groups."""
         if self.closed:
             raise RuntimeError(
                 f"{self!r} was closed (its process groups are released); build a new topology, and a new hook state "

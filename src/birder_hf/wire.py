@@ -232,7 +232,7 @@ def _queue(topo: Topology) -> _Queue:
 
 def launch_in_order(topology: Topology, job: Job, *, async_op: bool = True):
     """Run ``job`` after every earlier call on ``topology``; a Future of its result (``async_op``) or the result."""
-    topology._check_open()
+    topology.check_open()
     queue = _queue(topology)
     if not async_op:
         with queue.lock:
