@@ -113,27 +113,13 @@ def _count_planes(rows: torch.Tensor) -> torch.Tensor:
 
 
 class _Plan:
-    """One ``onebit_all_reduce`` call: this rank's packed votes and where ``d`` goes, chunk by chunk."""
+    """One ``onebit_all_reduce`` call: this rank's packed votes and where ``d`` goes, chunk by chunk. One subclass
+    per method: ``start`` runs stage 1 of elements ``[c0, c1)`` (the exchange of this rank's votes), ``finish`` the
+    stages after it."""
 
-    def __init__(self, topo: Topology, method: str, inter_method: str, keys: BitKeys, packed, out):
-        self.topo, self.method, self.inter_method = topo, method, inter_method
+    def __init__(self, topo: Topology, inter_method: str, keys: BitKeys, packed, out):
+        self.topo, self.inter_method = topo, inter_method
         self.keys, self.packed, self.out = keys, packed, out
-
-    def start(self, wire: Wire, c0: int, c1: int):
-        """Stage 1 of elements ``[c0, c1)``: the exchange of this rank's votes."""
-        send = self.packed[c0 // 8 : c1 // 8]
-        if self.method == "allgather":
-            return wire.all_gather(send, "world")
-        return wire.all_to_all(send, "world" if self.method == "scatter_gather" else "intra")
-
-    def finish(self, wire: Wire, c0: int, c1: int, recv: torch.Tensor) -> None:
-        """The stages after the first, for elements ``[c0, c1)``."""
-        if self.method == "allgather":
-            self._write(c0, c1, recv.view(self.topo.world_size, -1))
-        elif self.method == "scatter_gather":
-            self._finish_scatter_gather(wire, c0, c1, recv)
-        else:
-            self._finish_hierarchical(wire, c0, c1, recv)
 
     def _write(self, c0: int, c1: int, rows: torch.Tensor) -> None:
         # the exact mean of the votes in rows (m, P) for elements [c0, c1) (m = 1: the +-1 bits themselves)
@@ -148,14 +134,32 @@ class _Plan:
             lo = min(c0 + i * shard, self.out.numel())
             digits_mean_(self.out[lo : min(lo + shard, self.out.numel())], block, m)
 
-    def _finish_scatter_gather(self, wire, c0, c1, recv):
+
+class _AllGather(_Plan):
+    def start(self, wire: Wire, c0: int, c1: int):
+        return wire.all_gather(self.packed[c0 // 8 : c1 // 8], "world")
+
+    def finish(self, wire: Wire, c0: int, c1: int, recv: torch.Tensor) -> None:
+        self._write(c0, c1, recv.view(self.topo.world_size, -1))
+
+
+class _ScatterGather(_Plan):
+    def start(self, wire: Wire, c0: int, c1: int):
+        return wire.all_to_all(self.packed[c0 // 8 : c1 // 8], "world")
+
+    def finish(self, wire: Wire, c0: int, c1: int, recv: torch.Tensor) -> None:
         n, r = self.topo.world_size, self.topo.rank
         shard = (c1 - c0) // n
         # average the n votes of my shard, re-quantize it (one draw, made on this rank only), share the bits
         bits = self.keys.requantize_pack(recv.view(n, -1), c0 + r * shard, STAGE_SHARD, 0) if n > 1 else recv
         self._write(c0, c1, wire.all_gather_sync(bits, "world").view(1, -1))
 
-    def _finish_hierarchical(self, wire, c0, c1, recv):
+
+class _Hierarchical(_Plan):
+    def start(self, wire: Wire, c0: int, c1: int):
+        return wire.all_to_all(self.packed[c0 // 8 : c1 // 8], "intra")
+
+    def finish(self, wire: Wire, c0: int, c1: int, recv: torch.Tensor) -> None:
         t = self.topo
         lws, k, j, g = t.local_world_size, t.num_nodes, t.local_rank, t.node_rank
         shard = (c1 - c0) // lws
@@ -186,6 +190,9 @@ class _Plan:
             shard_bits = wire.all_gather_sync(mine, "inter")
             # 4) intra-node all-gather of the +-1 shard results
             self._write(c0, c1, wire.all_gather_sync(shard_bits, "intra").view(1, -1))
+
+
+_PLANS = {"allgather": _AllGather, "scatter_gather": _ScatterGather, "hierarchical": _Hierarchical}
 
 
 def _as_keys(keys, numel: int) -> BitKeys:
@@ -321,7 +328,7 @@ def onebit_all_reduce(
     if packed.numel() * 8 != padded:
         packed = torch.cat([packed, packed.new_zeros(padded // 8 - packed.numel())])
     chunks = [(c0, min(c0 + step, padded)) for c0 in range(0, padded, step)] if padded else []
-    plan = _Plan(topo, method, inter_method, keys, packed, out)
+    plan = _PLANS[method](topo, inter_method, keys, packed, out)
 
     def start(wire):
         if check:
