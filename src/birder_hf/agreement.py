@@ -14,20 +14,11 @@ from collections import OrderedDict
 
 import torch
 
-from .settings import (
-    DEFAULT_INTER_METHOD,
-    DEFAULT_METHOD,
-    INTER_METHODS,
-    METHODS,
-    CommSettings,
-    _alignment,
-    _effective_method,
-    check_settings,
-)
+from .settings import INTER_METHODS, METHODS
 from .topology import Topology
-from .wire import DONE, Job, Wire, _check_device, launch_in_order
+from .wire import Wire
 
-__all__ = ["check_agreement"]
+__all__: list[str] = []  # collectives.check_agreement is the public door
 
 _SIGNATURE = ("numel", "method", "inter_method", "chunk_numel", "dtype", "num_nodes", "local_world_size")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -91,50 +82,3 @@ def _agree(topo: Topology, signature: tuple, device: torch.device) -> None:
         "u with the same number of elements and dtype, the same method, inter_method and chunk_numel, and a topology "
         "of the same layout."
     )
-
-
-def _effective_step(chunk_numel: int | None, align: int, padded: int) -> int:
-    # elements per round: all of them, or chunk_numel rounded down to whole bytes of every shard (at least one)
-    return padded if chunk_numel is None else max(align, int(chunk_numel) // align * align)
-
-
-def check_agreement(
-    numel: int,
-    *,
-    topology: Topology | None = None,
-    method: str | CommSettings = DEFAULT_METHOD,
-    inter_method: str = DEFAULT_INTER_METHOD,
-    chunk_numel: int | None = None,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
-) -> None:
-    """Check now, with every rank of ``topology``, that all will call :func:`onebit_all_reduce` with ``numel``
-    elements of ``dtype`` and the same settings; every rank raises the same ``ValueError`` otherwise.
-
-    :func:`onebit_all_reduce` does this itself on the first call with new arguments; a caller that must not change
-    any state before a failing check (``StepAllReduce``) calls it first. Collective on a new signature (one
-    all-gather of 7 int64 on ``device``); free afterwards (a cache lookup).
-    """
-    settings = check_settings(method, inter_method, chunk_numel)
-    method, inter_method, chunk_numel = settings.method, settings.inter_method, settings.chunk_numel
-    topo = _default_topology() if topology is None else topology
-    if not isinstance(topo, Topology):
-        raise TypeError(f"topology must be a birder_hf.Topology, got {type(topo).__name__}")
-    method = _effective_method(method, topo.local_world_size, topo.num_nodes)
-    align = _alignment(method, topo.world_size, topo.local_world_size, topo.num_nodes, inter_method)
-    padded = -(-numel // align) * align
-    step = _effective_step(chunk_numel, align, padded) if padded and chunk_numel is not None else 0
-    _check_device(topo.world_group, torch.device(device))
-    signature = _signature(topo, numel, method, inter_method, step, dtype)
-    if not _claim(topo, signature):
-        return
-
-    def start(wire):
-        _agree(topo, signature, torch.device(device))
-        return None, DONE
-
-    launch_in_order(topo, Job(Wire(topo, None), start, lambda wire, recv: None), async_op=False)
-
-
-def _default_topology() -> Topology:
-    return Topology.flat(dedicated=False)

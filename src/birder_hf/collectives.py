@@ -52,7 +52,7 @@ import warnings
 
 import torch
 
-from .agreement import _agree, _claim, _default_topology, _effective_step, _signature, check_agreement
+from .agreement import _agree, _claim, _signature
 from .lifecycle import release_process_groups, wait_for_callbacks
 from .quantize import (
     STAGE_INTER_SHARD,
@@ -64,17 +64,7 @@ from .quantize import (
     digits_mean_,
     votes_mean_,
 )
-from .settings import (
-    DEFAULT_INTER_METHOD,
-    DEFAULT_METHOD,
-    INTER_METHODS,
-    METHODS,
-    CommSettings,
-    _alignment,
-    _effective_method,
-    check_settings,
-    expected_bytes,
-)
+from .settings import DEFAULT_INTER_METHOD, DEFAULT_METHOD, INTER_METHODS, METHODS, CommSettings, check_settings
 from .topology import Topology
 from .wire import DONE, CommStats, Job, Wire, _check_device, fp32_allreduce_bytes, launch_in_order
 
@@ -136,6 +126,16 @@ class _Plan:
 
 
 class _AllGather(_Plan):
+    name = "allgather"
+
+    @staticmethod
+    def alignment(n: int, lws: int, k: int, inter_method: str) -> int:
+        return 8  # elements per chunk must split into whole bytes for every shard of every stage
+
+    @staticmethod
+    def sent(d: int, n: int, lws: int, k: int, inter_method: str) -> tuple[int, int]:
+        return (lws - 1) * (d // 8), (n - lws) * (d // 8)  # (intra, inter) bytes for d (padded) elements
+
     def start(self, wire: Wire, c0: int, c1: int):
         return wire.all_gather(self.packed[c0 // 8 : c1 // 8], "world")
 
@@ -144,6 +144,17 @@ class _AllGather(_Plan):
 
 
 class _ScatterGather(_Plan):
+    name = "scatter_gather"
+
+    @staticmethod
+    def alignment(n: int, lws: int, k: int, inter_method: str) -> int:
+        return 8 * n
+
+    @staticmethod
+    def sent(d: int, n: int, lws: int, k: int, inter_method: str) -> tuple[int, int]:
+        per_peer = 2 * d // (8 * n)
+        return (lws - 1) * per_peer, (n - lws) * per_peer
+
     def start(self, wire: Wire, c0: int, c1: int):
         return wire.all_to_all(self.packed[c0 // 8 : c1 // 8], "world")
 
@@ -156,6 +167,26 @@ class _ScatterGather(_Plan):
 
 
 class _Hierarchical(_Plan):
+    name = "hierarchical"
+
+    @staticmethod
+    def alignment(n: int, lws: int, k: int, inter_method: str) -> int:
+        return 8 * lws * (k if inter_method == "scatter_gather" else 1)
+
+    @staticmethod
+    def sent(d: int, n: int, lws: int, k: int, inter_method: str) -> tuple[int, int]:
+        shard = d // lws  # elements per node shard
+        intra = (lws - 1) * shard // 8  # step 1: all-to-all of the votes
+        if k == 1:  # one node: the exact vote counts of L votes, bit_length(L) bits per element
+            inter, step4 = 0, lws.bit_length() * shard // 8
+        elif inter_method == "allgather":
+            inter = (k - 1) * shard // 8
+            step4 = k.bit_length() * shard // 8  # the vote counts' binary digits
+        else:
+            inter = 2 * (k - 1) * (shard // k) // 8
+            step4 = shard // 8
+        return intra + (lws - 1) * step4, inter
+
     def start(self, wire: Wire, c0: int, c1: int):
         return wire.all_to_all(self.packed[c0 // 8 : c1 // 8], "intra")
 
@@ -192,7 +223,94 @@ class _Hierarchical(_Plan):
             self._write(c0, c1, wire.all_gather_sync(shard_bits, "intra").view(1, -1))
 
 
-_PLANS = {"allgather": _AllGather, "scatter_gather": _ScatterGather, "hierarchical": _Hierarchical}
+_PLANS = {plan.name: plan for plan in (_AllGather, _ScatterGather, _Hierarchical)}
+
+
+def _plan_for(method: str, lws: int, k: int) -> type[_Plan]:
+    # One node: hierarchical gives the exact vote mean, as allgather does (bit for bit). Sharing the vote counts
+    # costs (L-1)/L·d/8·(1 + bit_length(L)) bytes against allgather's (L-1)·d/8: fewer only from L = 5 ranks on.
+    if method == "hierarchical" and k == 1 and 1 + lws.bit_length() >= lws:
+        return _AllGather
+    return _PLANS[method]
+
+
+def _layout(topo: Topology, numel: int, settings: CommSettings):
+    """A call's plan class, its padded length, its elements per round and its signature's chunking field (the
+    elements per round when chunked and not empty, else 0)."""
+    plan = _plan_for(settings.method, topo.local_world_size, topo.num_nodes)
+    align = plan.alignment(topo.world_size, topo.local_world_size, topo.num_nodes, settings.inter_method)
+    padded = -(-numel // align) * align
+    if settings.chunk_numel is None or not padded:
+        return plan, padded, padded, 0
+    step = max(align, int(settings.chunk_numel) // align * align)  # whole bytes of every shard, at least one
+    return plan, padded, step, step
+
+
+def expected_bytes(method: str, numel: int, topology, *, inter_method: str = DEFAULT_INTER_METHOD) -> dict[str, int]:
+    """Bytes one rank sends for ``numel`` elements, made exact for padding.
+
+    ``topology`` is a :class:`Topology` or a ``(num_nodes, local_world_size)`` tuple. Returns
+    ``intra_node_bytes``, ``inter_node_bytes`` and ``fp32_allreduce_bytes`` (same accounting as
+    :class:`CommStats`; independent of ``chunk_numel``). With ``d = numel`` (padded), ``n`` ranks,
+    ``k`` nodes of ``L``:
+
+    - allgather: ``(n-1)·d/8`` (intra ``(L-1)·d/8``, inter ``(n-L)·d/8``);
+    - scatter_gather: ``2(n-1)/n·d/8`` split the same way;
+    - hierarchical: inter ``(k-1)·d/(8L)`` (``inter_method="allgather"``) or ``2(k-1)/k·d/(8L)``
+      (``"scatter_gather"``); intra ``(L-1)/L·d/8`` (step 1) plus step 4: ``(L-1)/L·d/8`` for the ±1
+      bits (scatter_gather), ``bit_length(k)`` times that for the vote counts (allgather); on one node
+      (``k = 1``) the exact mean of the ``L`` votes: as allgather for ``L <= 4``, else step 4 shares their
+      counts, ``bit_length(L)`` times ``(L-1)/L·d/8``.
+    """
+    settings = check_settings(method, inter_method)
+    if isinstance(topology, tuple):
+        k, lws = topology
+        n = k * lws
+    else:
+        n, lws, k = topology.world_size, topology.local_world_size, topology.num_nodes
+    plan = _plan_for(settings.method, lws, k)
+    align = plan.alignment(n, lws, k, settings.inter_method)
+    intra, inter = plan.sent(-(-numel // align) * align, n, lws, k, settings.inter_method)
+    fp32 = fp32_allreduce_bytes(numel, n)
+    return {"intra_node_bytes": intra, "inter_node_bytes": inter, "fp32_allreduce_bytes": fp32}
+
+
+def check_agreement(
+    numel: int,
+    *,
+    topology: Topology | None = None,
+    method: str | CommSettings = DEFAULT_METHOD,
+    inter_method: str = DEFAULT_INTER_METHOD,
+    chunk_numel: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> None:
+    """Check now, with every rank of ``topology``, that all will call :func:`onebit_all_reduce` with ``numel``
+    elements of ``dtype`` and the same settings; every rank raises the same ``ValueError`` otherwise.
+
+    :func:`onebit_all_reduce` does this itself on the first call with new arguments; a caller that must not change
+    any state before a failing check (``StepAllReduce``) calls it first. Collective on a new signature (one
+    all-gather of 7 int64 on ``device``); free afterwards (a cache lookup).
+    """
+    settings = check_settings(method, inter_method, chunk_numel)
+    topo = _default_topology() if topology is None else topology
+    if not isinstance(topo, Topology):
+        raise TypeError(f"topology must be a birder_hf.Topology, got {type(topo).__name__}")
+    plan, _, _, chunked = _layout(topo, numel, settings)
+    _check_device(topo.world_group, torch.device(device))
+    signature = _signature(topo, numel, plan.name, settings.inter_method, chunked, dtype)
+    if not _claim(topo, signature):
+        return
+
+    def start(wire):
+        _agree(topo, signature, torch.device(device))
+        return None, DONE
+
+    launch_in_order(topo, Job(Wire(topo, None), start, lambda wire, recv: None), async_op=False)
+
+
+def _default_topology() -> Topology:
+    return Topology.flat(dedicated=False)
 
 
 def _as_keys(keys, numel: int) -> BitKeys:
@@ -282,7 +400,6 @@ def onebit_all_reduce(
         )
         keys = generator
     settings = check_settings(method, inter_method, chunk_numel)
-    method, inter_method, chunk_numel = settings.method, settings.inter_method, settings.chunk_numel
     if not isinstance(u, torch.Tensor) or not u.is_floating_point():
         raise TypeError(f"u must be a floating-point tensor (fp16/bf16/fp32/fp64), got {getattr(u, 'dtype', u)}")
     topo = _default_topology() if topology is None else topology
@@ -292,7 +409,6 @@ def onebit_all_reduce(
     _check_device(topo.world_group, u.device)
     flat, shape = u.detach().reshape(-1), u.shape
     numel, n = flat.numel(), topo.world_size
-    method = _effective_method(method, topo.local_world_size, topo.num_nodes)
     keys = _as_keys(keys, numel)
     if out is None:
         out = torch.empty(shape, dtype=u.dtype, device=u.device)
@@ -302,11 +418,9 @@ def onebit_all_reduce(
             f"{out.numel()} elements of {out.dtype} on {out.device}{'' if out.is_contiguous() else ', non-contiguous'}"
         )
     result, out = out, out.detach().view(-1)
-    align = _alignment(method, n, topo.local_world_size, topo.num_nodes, inter_method)
-    padded = -(-numel // align) * align
-    step = _effective_step(chunk_numel, align, padded) if padded else 0
+    plan_class, padded, step, chunked = _layout(topo, numel, settings)
     # the first call with these arguments checks that every rank passed the same (then a cache lookup)
-    signature = _signature(topo, numel, method, inter_method, step if chunk_numel is not None else 0, u.dtype)
+    signature = _signature(topo, numel, plan_class.name, settings.inter_method, chunked, u.dtype)
     check = _claim(topo, signature)
     if stats is not None:
         stats.calls += 1
@@ -328,7 +442,7 @@ def onebit_all_reduce(
     if packed.numel() * 8 != padded:
         packed = torch.cat([packed, packed.new_zeros(padded // 8 - packed.numel())])
     chunks = [(c0, min(c0 + step, padded)) for c0 in range(0, padded, step)] if padded else []
-    plan = _PLANS[method](topo, inter_method, keys, packed, out)
+    plan = plan_class(topo, settings.inter_method, keys, packed, out)
 
     def start(wire):
         if check:

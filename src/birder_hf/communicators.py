@@ -21,12 +21,11 @@ import torch
 import torch.distributed as dist
 
 from .base import Communicator, OneBitOptimizer, Update, all_finite, local_tensor, state_dtype
-from .agreement import check_agreement
-from .collectives import onebit_all_reduce
+from .collectives import check_agreement, onebit_all_reduce
 from .lifecycle import then
 from .settings import DEFAULT_METHOD, CommSettings, check_settings
-from .wire import CommStats, Job, Wire, launch_in_order
 from .topology import Topology
+from .wire import CommStats, Job, Wire, launch_in_order
 
 __all__ = [
     "HookState",
