@@ -213,7 +213,7 @@ class HookState(Communicator):
     """Base of the DDP communication hooks' states (see the module docstring).
 
     Subclasses set ``optimizer_class`` and ``hook_name``, call :meth:`begin_bucket` first and :meth:`end_bucket`
-    last in the hook, and consume :meth:`finish_step`'s result in their optimizer's ``step()``.
+    last in the hook, and turn :meth:`take_staged` into what their optimizer's ``step()`` applies (``finish_step``).
 
     Non-finite gradients: every bucket's gradient is checked; with the last bucket of a backward the ranks agree (one
     tiny all-reduce) whether any rank had a non-finite value, and if one had, the last bucket's direction is NaN on
@@ -221,7 +221,7 @@ class HookState(Communicator):
     what ``torch.amp.GradScaler`` looks for; ``step()`` skips everywhere, and ``m``, ``b`` and the parameters stay as
     they were (the hook staged the new state; only ``step()`` commits it). With ``skip_unused``, the same all-reduce
     also says which parameters no rank computed a gradient for (4 more bytes per parameter): they are not stepped,
-    as with a gradient of None. Hooks that are not DDP's (FSDP's) agree in ``finish_step`` instead, over
+    as with a gradient of None. Hooks that are not DDP's (FSDP's) agree in ``take_staged`` instead, over
     ``agree_group``.
 
     fp16 loss scaling: after the hook ``.grad`` holds the direction, which ``GradScaler`` must not un-scale, so the
@@ -239,7 +239,7 @@ class HookState(Communicator):
     optimizer_class: type = OneBitOptimizer
     hook_name = "the hook"
     loss_scale_invariant = True  # whether the hook may encode loss-scaled gradients (fp16 with a GradScaler)
-    # skip a parameter no rank computed a gradient for, as a gradient of None does (see finish_step)
+    # skip a parameter no rank computed a gradient for, as a gradient of None does (see take_staged)
     skip_unused: bool = False
     wrapped_name = "the DDP model"  # what every parameter with a gradient must belong to (error messages)
 
@@ -603,9 +603,9 @@ class HookState(Communicator):
             stacklevel=4,
         )
 
-    def finish_step(self) -> dict[torch.Tensor, Staged] | None:
-        """Called by ``optimizer.step()``: hand over what the hook staged, or ``None`` when a rank had a non-finite
-        gradient (every rank skips), and close the step's statistics."""
+    def take_staged(self) -> dict[torch.Tensor, Staged] | None:
+        """What the hook staged this step (each subclass's ``finish_step`` turns it into what its optimizer applies),
+        or ``None`` when a rank had a non-finite gradient (every rank skips); closes the step's statistics."""
         if self._skipping:  # amp_scaling dropped this step already (non-finite on a rank)
             self._skipping = False
             return None

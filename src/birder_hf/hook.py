@@ -164,12 +164,12 @@ class BirderHookState(HookState):
 
     def finish_step(self) -> list[Update] | None:
         """Agree the step is finite, commit the staged ``m``, ``b``, and hand ``d`` (in ``.grad``) to ``step()``."""
-        pending = super().finish_step()
+        pending = self.take_staged()
         if pending is None:
             return None
         opt, updates = self.optimizer, []
         for group in opt.param_groups:
-            # not those no rank computed a gradient for (a gradient of None, or found unused by finish_step)
+            # not those no rank computed a gradient for (a gradient of None, or found unused by take_staged)
             params = [p for p in group["params"] if p.grad is not None and p in pending]
             for p in params:  # the committed buffers become the next step's scratch
                 self._scratch[p] = opt.commit_state(p, pending[p].record)

@@ -406,8 +406,8 @@ class OneBitAdamHookState(HookState):
     def description(self) -> str:
         return "1-bit Adam hook"
 
-    def finish_step(self):
-        staged = super().finish_step()
+    def finish_step(self) -> dict | None:
+        staged = self.take_staged()
         if staged:
             kinds = {type(s.record) for s in staged.values()}
             self.warmup_steps += _Warmup in kinds
