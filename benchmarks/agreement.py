@@ -55,18 +55,18 @@ def _rank(rank: int, world: int, init: str, numel: int, calls: int, lookups: int
         later = sum(gathers)
         wire._all_gather = real
 
-        signature = agreement._signature(topo, numel, "allgather", "allgather", 0, u.dtype)
+        signature = agreement.signature_of(topo, numel, "allgather", "allgather", 0, u.dtype)
         exchanges = []
         for _ in range(20):
             dist.barrier(group=topo.world_group)
             t0 = time.perf_counter()
-            agreement._agree(topo, signature, u.device)
+            agreement.agree(topo, signature, u.device)
             exchanges.append(time.perf_counter() - t0)
         per_lookup = []
         for _ in range(7):
             t0 = time.perf_counter()
             for _ in range(lookups):  # what a later call adds: build its signature, find it
-                agreement._claim(topo, agreement._signature(topo, numel, "allgather", "allgather", 0, u.dtype))
+                agreement.claim(topo, agreement.signature_of(topo, numel, "allgather", "allgather", 0, u.dtype))
             per_lookup.append((time.perf_counter() - t0) / lookups)
         queue.put(
             (

@@ -18,7 +18,7 @@ from .settings import INTER_METHODS, METHODS
 from .topology import Topology
 from .wire import Wire
 
-__all__: list[str] = []  # collectives.check_agreement is the public door
+__all__ = ["signature_of", "claim", "agree"]  # the public door is collectives.check_agreement
 
 _SIGNATURE = ("numel", "method", "inter_method", "chunk_numel", "dtype", "num_nodes", "local_world_size")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -27,8 +27,8 @@ _AGREED_LOCK = threading.Lock()
 _AGREED_MAX = 1024  # signatures remembered per group (every rank forgets the same ones: the same call sequence)
 
 
-def _signature(topo: Topology, numel: int, method: str, inter_method: str, step: int, dtype) -> tuple[int, ...]:
-    # step: the elements per round when chunked, 0 for one round
+def signature_of(topo: Topology, numel: int, method: str, inter_method: str, step: int, dtype) -> tuple[int, ...]:
+    """What every rank's call must share, as int64s (``step``: the elements per round when chunked, else 0)."""
     return (
         numel,
         METHODS.index(method),
@@ -40,7 +40,7 @@ def _signature(topo: Topology, numel: int, method: str, inter_method: str, step:
     )
 
 
-def _claim(topo: Topology, signature: tuple) -> bool:
+def claim(topo: Topology, signature: tuple) -> bool:
     """Whether this call must check ``signature`` with the other ranks: ``True`` on its first use on the topology's
     world group, which also records it (decided at call time, so every rank decides alike whatever the timing)."""
     if topo.world_size == 1:
@@ -58,7 +58,7 @@ def _claim(topo: Topology, signature: tuple) -> bool:
         return True
 
 
-def _agree(topo: Topology, signature: tuple, device: torch.device) -> None:
+def agree(topo: Topology, signature: tuple, device: torch.device) -> None:
     """Exchange ``signature`` with every rank of the topology; all raise the same ``ValueError`` if they differ."""
     mine = torch.tensor(signature, dtype=torch.int64, device=device)
     table = Wire(topo, None).all_gather_sync(mine, "world")  # not counted: no bytes of the all-reduce

@@ -52,7 +52,7 @@ import warnings
 
 import torch
 
-from .agreement import _agree, _claim, _signature
+from .agreement import agree, claim, signature_of
 from .lifecycle import release_process_groups, wait_for_callbacks
 from .quantize import (
     STAGE_INTER_SHARD,
@@ -66,7 +66,7 @@ from .quantize import (
 )
 from .settings import DEFAULT_INTER_METHOD, DEFAULT_METHOD, INTER_METHODS, METHODS, CommSettings, check_settings
 from .topology import Topology
-from .wire import DONE, CommStats, Job, Wire, _check_device, fp32_allreduce_bytes, launch_in_order
+from .wire import DONE, CommStats, Job, Wire, check_device, fp32_allreduce_bytes, launch_in_order
 
 __all__ = [
     "onebit_all_reduce",
@@ -297,13 +297,13 @@ def check_agreement(
     if not isinstance(topo, Topology):
         raise TypeError(f"topology must be a birder_hf.Topology, got {type(topo).__name__}")
     plan, _, _, chunked = _layout(topo, numel, settings)
-    _check_device(topo.world_group, torch.device(device))
-    signature = _signature(topo, numel, plan.name, settings.inter_method, chunked, dtype)
-    if not _claim(topo, signature):
+    check_device(topo.world_group, torch.device(device))
+    signature = signature_of(topo, numel, plan.name, settings.inter_method, chunked, dtype)
+    if not claim(topo, signature):
         return
 
     def start(wire):
-        _agree(topo, signature, torch.device(device))
+        agree(topo, signature, torch.device(device))
         return None, DONE
 
     launch_in_order(topo, Job(Wire(topo, None), start, lambda wire, recv: None), async_op=False)
@@ -406,7 +406,7 @@ def onebit_all_reduce(
     if not isinstance(topo, Topology):
         raise TypeError(f"topology must be a birder_hf.Topology, got {type(topo).__name__}")
     topo.check_open()
-    _check_device(topo.world_group, u.device)
+    check_device(topo.world_group, u.device)
     flat, shape = u.detach().reshape(-1), u.shape
     numel, n = flat.numel(), topo.world_size
     keys = _as_keys(keys, numel)
@@ -420,8 +420,8 @@ def onebit_all_reduce(
     result, out = out, out.detach().view(-1)
     plan_class, padded, step, chunked = _layout(topo, numel, settings)
     # the first call with these arguments checks that every rank passed the same (then a cache lookup)
-    signature = _signature(topo, numel, plan_class.name, settings.inter_method, chunked, u.dtype)
-    check = _claim(topo, signature)
+    signature = signature_of(topo, numel, plan_class.name, settings.inter_method, chunked, u.dtype)
+    check = claim(topo, signature)
     if stats is not None:
         stats.calls += 1
         stats.fp32_allreduce_bytes += fp32_allreduce_bytes(numel, n)
@@ -446,7 +446,7 @@ def onebit_all_reduce(
 
     def start(wire):
         if check:
-            _agree(topo, signature, u.device)
+            agree(topo, signature, u.device)
         if not chunks:
             return None, DONE
         return plan.start(wire, *chunks[0])

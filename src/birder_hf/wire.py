@@ -15,7 +15,7 @@ import torch.distributed as dist
 from .lifecycle import then
 from .topology import Topology
 
-__all__ = ["CommStats", "fp32_allreduce_bytes", "Wire", "Job", "launch_in_order"]
+__all__ = ["CommStats", "fp32_allreduce_bytes", "Wire", "Job", "launch_in_order", "check_device"]
 
 # all_gather_single replaces the deprecated all_gather_into_tensor in torch >= 2.13.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -69,7 +69,8 @@ class CommStats:
         return out
 
 
-def _check_device(group, device: torch.device) -> None:
+def check_device(group, device: torch.device) -> None:
+    """Raise ``ValueError`` if ``group``'s backend cannot run collectives on ``device``."""
     backend = str(dist.get_backend(group)).lower()
     if ":" in backend:  # "cpu:gloo,cuda:nccl"
         ok = device.type in {part.split(":")[0] for part in backend.split(",")}
