@@ -149,6 +149,14 @@ class Birder(OneBitOptimizer):
         "maximize": FLAG,
     }
     optional_settings = ("foreach", "maximize", "lazy")
+    card_keys = ("lr", "beta", "weight_decay", "amsgrad", "lazy")
+    card_name = "Birder (1-bit adaptive, Peng et al. NeurIPS 2023; birder-hf)"
+    card_title = "## Trained with Birder"
+    card_summary = (
+        "This model was trained with [birder-hf](https://openreview.net/forum?id=Mlo2kM11ZB): the Birder "
+        "optimizer exchanges 1-bit quantized update directions between workers (Hierarchical-1-bit-All-Reduce); "
+        "what each method sends per step is in birder-hf's README."
+    )
     state_keys = ("step", "exp_avg", "exp_avg_abs", "max_exp_avg_abs", "shard")
     required_state = ("step", "exp_avg", "exp_avg_abs")
     tensor_state = ("exp_avg", "exp_avg_abs", "max_exp_avg_abs")
@@ -224,14 +232,17 @@ class Birder(OneBitOptimizer):
 
             # every rank of the group learns of this rank's error, or of settings that differ between the ranks,
             # and raises it too (none is left waiting in a collective), before the topology's groups are built
-            StepAllReduce.agree_on_setup(
+            settings = StepAllReduce.agree_on_setup(
                 self, topology=topology, process_group=process_group, method=method, error=error
             )
-            StepAllReduce(topology=topology, process_group=process_group, method=method).attach(self)
+            StepAllReduce(settings, topology=topology, process_group=process_group).attach(self)
 
     @property
     def seed(self) -> int:
         return int(self.param_groups[0]["seed"])
+
+    def card_settings(self) -> dict:
+        return {**super().card_settings(), "seed": self.seed}
 
     def _check_group_keys(self, param_group: dict, where: str) -> None:
         super()._check_group_keys(param_group, where)
