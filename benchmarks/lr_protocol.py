@@ -190,6 +190,7 @@ def main(argv=None) -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     res = run_method(args.task, args.method, args.grid, args.options, args.work, steps, args.eval_every)
     label = args.label or args.method + ("" if args.options == "{}" else " " + args.options)
+    args.results.mkdir(parents=True, exist_ok=True)
     out = args.results / f"lr_protocol_{args.task}.json"
     store = json.loads(out.read_text()) if out.exists() else {"task": args.task, "target": _target(args.task)}
     store.setdefault("methods", {})[label] = {"method": args.method, "options": json.loads(args.options),
