@@ -10,7 +10,7 @@ Runs use ``simulate_quality.py``'s one-process workers (bit-equal to a real 2 x 
 ``tests/test_simulate_workers.py``), the TTA tasks' model, data and schedule, and the same global batch.
 
     python benchmarks/lr_protocol.py --task qa --method 2x2 --grid 1e-3 2e-3 4e-3
-    python benchmarks/lr_protocol.py --task qa --method 2x2 --grid 1e-3 2e-3 4e-3 --options '{"lazy": true}'
+    python benchmarks/lr_protocol.py --task qa --method 2x2 --grid 1e-3 2e-3 4e-3 --options '{"stale": "keep"}'
     python benchmarks/lr_protocol.py --task qa --method adamw --grid 1e-3 2e-3 4e-3
     python benchmarks/lr_protocol.py --task qa --report      # docs/results/lr_protocol_qa.{json,png}
 

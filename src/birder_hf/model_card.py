@@ -41,7 +41,7 @@ def optimizer_settings(optimizer, communication: dict | None = None) -> dict:
         keys = ("lr", "betas", "eps", "weight_decay", "freeze_step", "bias_correction", "scaling")
         return {k: _configured(g, k) if k == "lr" else g[k] for k in keys}
     if isinstance(opt, Birder):
-        keys = ("lr", "beta", "weight_decay", "amsgrad", "lazy")
+        keys = ("lr", "beta", "weight_decay", "amsgrad", "stale")
         settings = {k: _configured(g, k) if k == "lr" else g[k] for k in keys}
         settings["seed"] = opt.seed
         return {**settings, **(communication or {})}
