@@ -141,7 +141,8 @@ def zeros(tasks, steps: int, work: Path) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tasks", nargs="+", default=["qa", "lm", "image"])
+    ap.add_argument("--tasks", nargs="*", default=["qa", "lm", "image"],
+                    help="tasks whose zero-gradient share to measure (none: keep the shares stored in --out)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--work", type=Path, default=ROOT / "outputs" / "tta_stale" / "data")
     ap.add_argument("--out", type=Path, default=None)
@@ -150,7 +151,12 @@ def main(argv=None) -> int:
     result = {"command": "python benchmarks/stale_drift.py " + " ".join(argv or sys.argv[1:]), "lr": LR,
               "gradient_at_step_1": G0, "drift_in_lr": drift()}  # fmt: skip
     print(json.dumps(result["drift_in_lr"], indent=1), flush=True)
-    result["zero_gradient_share"] = zeros(args.tasks, args.steps, args.work)
+    if args.tasks:
+        result["zero_gradient_share"] = zeros(args.tasks, args.steps, args.work)
+    elif args.out and args.out.exists():
+        old = json.loads(args.out.read_text())
+        result["zero_gradient_share"] = old.get("zero_gradient_share")
+        result["zero_gradient_share_command"] = old.get("zero_gradient_share_command", old.get("command"))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0
