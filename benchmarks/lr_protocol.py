@@ -12,7 +12,7 @@ Runs use ``simulate_quality.py``'s one-process workers (bit-equal to a real 2 x 
     python benchmarks/lr_protocol.py --task qa --method 2x2 --grid 1e-3 2e-3 4e-3
     python benchmarks/lr_protocol.py --task qa --method 2x2 --grid 1e-3 2e-3 4e-3 --options '{"stale": "keep"}'
     python benchmarks/lr_protocol.py --task qa --method adamw --grid 1e-3 2e-3 4e-3
-    python benchmarks/lr_protocol.py --task qa --report      # docs/results/lr_protocol_qa.{json,png}
+    python benchmarks/lr_protocol.py --task qa --report      # docs/results/lr_protocol_qa.{md,png} from the .json
 
 Resumable: a finished run is read from ``--work``, not run again.
 """
@@ -104,6 +104,69 @@ def run_method(task, method, grid, options, work, steps, eval_every) -> dict:
     }
 
 
+def _s_per_step(task: str, method: str) -> float | None:
+    """Seconds per step on the emulated link of the TTA table (docs/results/tta.json): Birder hierarchical's for
+    simulated workers, DDP fp32's for AdamW."""
+    row = "fp32" if method == "adamw" else "birder-h"
+    return json.loads((ROOT / "docs" / "results" / "tta.json").read_text())["tasks"][task]["methods"][row]["s_per_step"][1]
+
+
+def report(task: str, results: Path) -> str:
+    """A markdown table and a figure (held-out seeds' curves) from ``lr_protocol_{task}.json``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    store = json.loads((results / f"lr_protocol_{task}.json").read_text())
+    key, higher = sq.PRIMARY[task]
+    lines = [
+        f"**{task}** ({key}; target {store['target']:.2f} = 95% of DDP fp32's median final; {store['protocol']}; "
+        "time = steps to the target x the TTA table's seconds per step on the Ethernet link)",
+        "",
+        "| method | tuning: median final per lr (chosen **bold**) | held-out seeds reaching the target | "
+        "steps to target: median, worst | time to target (s): median, worst | final: median, worst |",
+        "|---|---|---|---|---|---|",
+    ]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for label, m in store["methods"].items():
+        grid = ", ".join(
+            ("**{}: {:.1f}**" if float(lr) == m["chosen"] else "{}: {:.1f}").format(lr, t["median"])
+            + (" (diverged)" if t["disqualified"] else "")
+            for lr, t in m["tuning"].items()
+        )
+        h = m.get("held_out")
+        if not h:
+            lines.append(f"| {label} | {grid} | none chosen | | | |")
+            continue
+        steps = [r["step_to_target"] for r in h["per_seed"].values()]
+        reached = sorted(x for x in steps if x is not None)
+        worst = "not reached" if len(reached) < len(steps) else reached[-1]
+        med = statistics.median([x if x is not None else math.inf for x in steps])
+        sps = _s_per_step(task, m["method"])
+        t = (lambda x: "not reached" if x in (None, math.inf, "not reached") else f"{x * sps:.0f}")  # noqa: E731
+        lines.append(
+            f"| {label} | {grid} | {h['reached']} of {h['seeds']} | {med if med != math.inf else 'not reached'}, "
+            f"{worst} | {t(med)}, {t(worst)} | {h['median']:.1f}, {h['worst']:.1f} |"
+        )
+        curves = [r["curve"] for r in h["per_seed"].values()]
+        xs = curves[0]["steps"]
+        ys = [[c[key][i] for c in curves] for i in range(len(xs))]
+        line = ax.plot(xs, [statistics.median(y) for y in ys], label=f"{label} (lr {m['chosen']:g})")[0]
+        ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.15)
+    ax.axhline(store["target"], color="k", ls="--", lw=0.8, label="target")
+    ax.set_xlabel("step")
+    ax.set_ylabel(key)
+    ax.set_title(f"{task}: held-out seeds 3-7, median and range", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(results / f"lr_protocol_{task}.png", dpi=110)
+    plt.close(fig)
+    table = "\n".join(lines) + "\n"
+    (results / f"lr_protocol_{task}.md").write_text(table)
+    return table
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--task", choices=tuple(sq.PRIMARY), default="qa")
@@ -115,7 +178,11 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--work", type=Path, default=ROOT / "outputs" / "simulate_quality")
     ap.add_argument("--results", type=Path, default=ROOT / "docs" / "results")
+    ap.add_argument("--report", action="store_true", help="write the table and figure from the stored JSON")
     args = ap.parse_args(argv)
+    if args.report:
+        print(report(args.task, args.results))
+        return 0
     import torch
 
     torch.set_num_threads(1)

@@ -12,12 +12,18 @@ into OUT_DIR:
 - ``refused``: an AdamW optimizer; every rank must raise the strategy's TypeError at setup;
 - ``fp16``, ``fp16-scale1``: ``precision="16-mixed"`` through Lightning's ``MixedPrecision`` plugin with a
   ``GradScaler("cpu")`` of initial scale 2**12 and 1 (the ``precision="16-mixed"`` flag becomes bf16-mixed on CPU; the
-  plugin runs the control flow a GPU run takes).
+  plugin runs the control flow a GPU run takes);
+- elastic restarts: ``auto-first`` saves every epoch (``save_top_k=-1``, ``save_last=True``) for 2 epochs; the
+  step-4 checkpoints (``epoch=1-step=4.ckpt`` and the rewritten ``last.ckpt``) are then broken as a save killed midway
+  leaves them (rank 1's Birder file and the marker gone); ``last-refused``: ``ckpt_path="last"`` must be refused on
+  every rank; ``auto``: ``ckpt_path=find_resumable_lightning_checkpoint(...)`` up to 4 epochs, ``manual``: the same
+  from the path it should choose; ``save-fails``: rank 1 cannot write its Birder file, every rank must fail.
 """
 
 import json
 import os
 import sys
+import traceback
 
 import lightning.pytorch as pl
 import torch
@@ -27,7 +33,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader, TensorDataset
 
 from birder_hf import Birder, OneBitAdam
-from birder_hf.integrations.lightning import BirderDDPStrategy
+from birder_hf.integrations.lightning import BirderDDPStrategy, birder_state_dir, find_resumable_lightning_checkpoint
 
 OUT = sys.argv[1]
 
@@ -108,3 +114,38 @@ for tag, scale in (("fp16", 2.0**12), ("fp16-scale1", 1.0)):
 rank = int(os.environ.get("LOCAL_RANK", 0))
 with open(os.path.join(OUT, f"refused-rank{rank}.json"), "w") as f:
     json.dump({"error": refusal}, f)
+
+
+def failed(tag, **kwargs):
+    try:
+        fit(tag, **kwargs)
+        return None
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}" + ("" if isinstance(exc, RuntimeError) else traceback.format_exc())
+
+
+# elastic restarts
+auto_dir = os.path.join(OUT, "auto")
+every_epoch = dict(dirpath=auto_dir, save_top_k=-1, save_last=True)
+fit("auto-first", max_epochs=2, enable_checkpointing=True, callbacks=[ModelCheckpoint(**every_epoch)])
+torch.distributed.barrier()
+if rank == 0:  # the save of step 4 killed midway
+    for name in ("epoch=1-step=4.ckpt", "last.ckpt"):
+        folder = birder_state_dir(os.path.join(auto_dir, name))
+        os.unlink(os.path.join(folder, "birder_complete.json"))
+        os.unlink(os.path.join(folder, "birder", "rank_00001-of-00002.pt"))
+torch.distributed.barrier()
+with_callback = dict(enable_checkpointing=True, callbacks=[ModelCheckpoint(**every_epoch)])
+errors = {"last-refused": failed("last-refused", max_epochs=4, ckpt_path="last", **with_callback)}
+chosen = find_resumable_lightning_checkpoint(auto_dir)
+fit("auto", max_epochs=4, ckpt_path=chosen)
+fit("manual", max_epochs=4, ckpt_path=os.path.join(auto_dir, "epoch=0-step=2.ckpt"))
+blocked = os.path.join(OUT, "blocked")
+if rank == 0:  # a folder where rank 1's Birder file of the first checkpoint goes: its write fails
+    os.makedirs(os.path.join(blocked, "epoch=0-step=2.ckpt.birder", "birder", "rank_00001-of-00002.pt"))
+torch.distributed.barrier()
+errors["save-fails"] = failed(
+    "save-fails", max_epochs=1, enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=blocked)]
+)
+with open(os.path.join(OUT, f"elastic-rank{rank}.json"), "w") as f:
+    json.dump({"chosen": chosen, **errors}, f)

@@ -8,6 +8,7 @@ Trainers reuse the processes): about 12 s on an idle 2-core machine.
 import csv
 import glob
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -19,8 +20,13 @@ import torch
 pytest.importorskip("lightning")
 
 from birder_hf import Birder, OneBitAdam  # noqa: E402
+from birder_hf.checkpoint import MARKER, checkpoint_problem  # noqa: E402
 from birder_hf.integrations import lightning as birder_lightning  # noqa: E402
-from birder_hf.integrations.lightning import BirderDDPStrategy, birder_state_dir  # noqa: E402
+from birder_hf.integrations.lightning import (  # noqa: E402
+    BirderDDPStrategy,
+    birder_state_dir,
+    find_resumable_lightning_checkpoint,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "_lightning_script.py")
@@ -102,6 +108,67 @@ def test_every_rank_writes_its_state_beside_the_checkpoint_and_it_goes_with_it(r
     assert ckpts == ["epoch=1-step=4.ckpt", "epoch=1-step=4.ckpt.birder"]
     files = sorted(os.listdir(os.path.join(out, "ckpt", "epoch=1-step=4.ckpt.birder", "birder")))
     assert files == ["rank_00000-of-00002.pt", "rank_00001-of-00002.pt"]
+
+
+def test_a_checkpoint_is_marked_complete_after_every_rank_wrote_it(run):
+    out, _ = run
+    folder = os.path.join(out, "ckpt", "epoch=1-step=4.ckpt.birder")
+    with open(os.path.join(folder, MARKER)) as f:
+        marker = json.load(f)
+    assert marker["world_size"] == 2
+    assert sorted(marker["files"]) == [
+        "../epoch=1-step=4.ckpt",  # rank 0's, written after every rank's Birder file
+        "birder/rank_00000-of-00002.pt",
+        "birder/rank_00001-of-00002.pt",
+    ]
+    ckpt = os.path.join(out, "ckpt", "epoch=1-step=4.ckpt")
+    assert marker["files"]["../epoch=1-step=4.ckpt"] == os.path.getsize(ckpt)
+    assert checkpoint_problem(folder) is None
+
+
+def _elastic(out, rank):
+    with open(os.path.join(out, f"elastic-rank{rank}.json")) as f:
+        return json.load(f)
+
+
+def test_auto_resume_skips_a_checkpoint_killed_while_saving_and_continues_bit_for_bit(run):
+    # the step-4 save was "killed" (epoch=1-step=4.ckpt and the rewritten last.ckpt lack rank 1's file and the marker):
+    # find_resumable_lightning_checkpoint chooses epoch=0-step=2.ckpt, and the fit resumed from it ends where a fit
+    # resumed from that path by hand ends, and where the uninterrupted 4 epochs end, bit for bit, m and b included
+    out, log = run
+    for rank in (0, 1):
+        assert _elastic(out, rank)["chosen"] == os.path.join(out, "auto", "epoch=0-step=2.ckpt")
+        auto, manual, full = _load(out, "auto", rank), _load(out, "manual", rank), _load(out, "full", rank)
+        assert auto["global_step"] == manual["global_step"] == 8
+        assert all(torch.equal(a, b) for a, b in zip(auto["params"], manual["params"]))
+        assert all(torch.equal(a, b) for a, b in zip(auto["params"], full["params"]))
+        assert _states_equal(auto["optimizer"], manual["optimizer"])
+        assert _states_equal(auto["optimizer"], full["optimizer"])
+    for name in ("last.ckpt", "epoch=1-step=4.ckpt"):  # named (rank 0 only), left alone
+        path = os.path.join(out, "auto", name)
+        assert log.count(f"Not resuming from {path} (no {MARKER}: ") == 1 and os.path.exists(path)
+    chosen = os.path.join(out, "auto", "epoch=0-step=2.ckpt")
+    assert log.count(f"Resuming from {chosen}, the newest checkpoint complete on every rank.") == 1
+
+
+def test_ckpt_path_last_is_refused_on_every_rank_when_last_ckpt_is_incomplete(run):
+    out, _ = run
+    last = os.path.join(out, "auto", "last.ckpt")
+    for rank in (0, 1):
+        error = _elastic(out, rank)["last-refused"]
+        assert error.startswith(f"RuntimeError: {last} is not complete on every rank (rank 0 sees: no {MARKER}")
+        assert "ckpt_path=find_resumable_lightning_checkpoint(dirpath)" in error
+
+
+def test_a_rank_that_fails_to_save_fails_every_rank_and_no_marker_is_written(run):
+    out, _ = run
+    folder = os.path.join(out, "blocked", "epoch=0-step=2.ckpt.birder")
+    assert _elastic(out, 0)["save-fails"].startswith(
+        f"RuntimeError: Checkpoint {folder} was not marked complete: rank 1 failed to write its files "
+        "(IsADirectoryError"
+    )
+    assert _elastic(out, 1)["save-fails"].startswith("IsADirectoryError")  # its own error, not a wait for rank 0
+    assert not os.path.exists(os.path.join(folder, MARKER))
 
 
 def test_hierarchy_num_nodes_simulates_two_nodes(run):
@@ -217,3 +284,36 @@ def test_checkpoint_seams_in_one_process(tmp_path):
         strategy.load_optimizer_state_dict(strategy.load_checkpoint(other))
     with pytest.raises(ValueError, match="remote URL"):
         birder_state_dir("s3://bucket/epoch=0.ckpt")
+
+
+def test_find_resumable_lightning_checkpoint_in_one_process(tmp_path, caplog):
+    model = torch.nn.Linear(3, 1)
+    model(torch.randn(4, 3)).sum().backward()
+    opt = Birder(model.parameters(), lr=0.1, seed=1)
+    opt.step()
+    strategy = BirderDDPStrategy(parallel_devices=[torch.device("cpu")])
+    strategy.optimizers = [opt]
+    older, newer, last = tmp_path / "epoch=0-step=1.ckpt", tmp_path / "epoch=1-step=2.ckpt", tmp_path / "last.ckpt"
+    for t, path in enumerate((older, newer)):
+        strategy.save_checkpoint({"optimizer_states": [opt.state_dict()]}, path)
+        for part in (path, birder_state_dir(path), os.path.join(birder_state_dir(path), MARKER)):
+            os.utime(part, ns=(10**18 + t * 10**9,) * 2)  # written in this order, whatever the clock's resolution
+    last.symlink_to(newer.name)  # save_last="link", made after its target
+    os.utime(last, ns=(10**18 + 2 * 10**9,) * 2, follow_symlinks=False)
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    with caplog.at_level(logging.INFO):
+        assert find_resumable_lightning_checkpoint(tmp_path) == str(last)
+
+        os.unlink(os.path.join(birder_state_dir(newer), MARKER))  # the newest save was killed
+        with pytest.warns(UserWarning) as warned:
+            assert find_resumable_lightning_checkpoint(tmp_path) == str(older)
+        named = sorted(str(w.message).split(" (")[0] for w in warned)
+        assert named == [f"Not resuming from {p}" for p in (newer, last)]  # both named, both left
+
+        os.unlink(older)  # a .ckpt gone, its Birder folder left: not complete either
+        caplog.clear()
+        with pytest.warns(UserWarning) as warned:
+            assert find_resumable_lightning_checkpoint(tmp_path) is None
+        assert str(warned[-1].message).startswith(f"Not resuming from {older} (the .ckpt is missing")
+        assert f"No complete checkpoint in {tmp_path}: starting fresh." in caplog.messages
+        assert find_resumable_lightning_checkpoint(tmp_path / "absent") is None

@@ -24,7 +24,8 @@ rank has written everything, :func:`mark_checkpoint_complete` writes ``birder_co
 the world size and the name and size of every file of the checkpoint. :func:`find_resumable_checkpoint` (what
 ``--resume_from_checkpoint auto`` runs after an elastic restart) takes the newest ``checkpoint-N`` whose marker is
 there and whose files are all there with those sizes; a newer one without it (the job died while writing it) is
-named in the log and left as it is.
+named in the log and left as it is. accelerate's ``save_state`` and Lightning's ``BirderDDPStrategy`` write the same
+marker (``birder_hf.integrations``: ``load_resumable_state``, ``find_resumable_lightning_checkpoint``).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ __all__ = [
     "clear_completion_marker",
     "checkpoint_problem",
     "find_resumable_checkpoint",
+    "numbered_checkpoints",
     "SUBDIR",
     "MARKER",
 ]
@@ -265,9 +267,13 @@ def _marker_path(checkpoint_dir: str) -> str:
     return os.path.join(checkpoint_dir, MARKER)
 
 
-def _checkpoint_files(checkpoint_dir: str) -> dict[str, int]:
-    """Every file of the checkpoint (``/``-separated relative path -> bytes), not the marker nor temporary files."""
+def _checkpoint_files(checkpoint_dir: str, extra_files=()) -> dict[str, int]:
+    """Every file of the checkpoint (``/``-separated relative path -> bytes), not the marker nor temporary files; and
+    ``extra_files`` outside the folder (relative paths such as ``../x.ckpt``)."""
     files = {}
+    for extra in extra_files:
+        rel = os.path.relpath(os.path.abspath(extra), os.path.abspath(checkpoint_dir)).replace(os.sep, "/")
+        files[rel] = os.path.getsize(extra)
     for root, dirs, names in os.walk(checkpoint_dir):
         dirs.sort()
         for name in sorted(names):
@@ -287,7 +293,13 @@ def clear_completion_marker(checkpoint_dir: str) -> None:
 
 
 def mark_checkpoint_complete(
-    checkpoint_dir: str, *, rank: int | None = None, world_size: int | None = None, write: bool | None = None
+    checkpoint_dir: str,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    write: bool | None = None,
+    failed: str | None = None,
+    extra_files=(),
 ) -> str | None:
     """Mark ``checkpoint_dir`` complete: call it on every rank once that rank has written all its files there.
 
@@ -297,10 +309,16 @@ def mark_checkpoint_complete(
     ``birder_complete.json``: the world size and the size of every file they see, to a temporary file renamed into
     place, so the marker is whole or absent. Raises ``RuntimeError`` naming the ranks whose file is missing (and
     writes no marker). Returns the marker's path on the writers, else ``None``.
+
+    ``failed``: why this rank could not write its files (it still calls this, so that the others do not wait for it);
+    every rank then raises, naming it. ``extra_files``: files of the checkpoint outside the folder that the writers
+    list too (Lightning's ``.ckpt`` beside its ``.ckpt.birder`` folder).
     """
     rank, world_size = _rank_and_world(rank, world_size)
     own = rank_state_path(checkpoint_dir, rank, world_size)
     mine = None if os.path.isfile(own) else f"rank {rank} has no {own}"
+    if failed is not None:
+        mine = f"rank {rank} failed to write its files ({failed})"
     reports = [mine]
     import torch.distributed as dist
 
@@ -316,7 +334,7 @@ def mark_checkpoint_complete(
     if not (rank == 0 if write is None else write):
         return None
     path = _marker_path(checkpoint_dir)
-    payload = {"format": _FORMAT, "world_size": world_size, "files": _checkpoint_files(checkpoint_dir)}
+    payload = {"format": _FORMAT, "world_size": world_size, "files": _checkpoint_files(checkpoint_dir, extra_files)}
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=os.path.dirname(path))
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -353,37 +371,53 @@ def checkpoint_problem(checkpoint_dir: str) -> str | None:
     return None
 
 
-def _newest_complete_checkpoint(output_dir: str) -> str | None:
-    found = []
-    if os.path.isdir(output_dir):
-        for name in os.listdir(output_dir):
-            m = _CHECKPOINT.match(name)
-            if m and os.path.isdir(os.path.join(output_dir, name)):
-                found.append((int(m.group(1)), os.path.join(output_dir, name)))
-    for _, folder in sorted(found, reverse=True):
-        problem = checkpoint_problem(folder)
+def _newest_complete(where: str, candidates) -> str | None:
+    # candidates: checkpoint folders, newest first; the first complete one wins, newer ones are named
+    for path in candidates:
+        problem = checkpoint_problem(path)
         if problem is None:
-            logger.info("Resuming from %s, the newest checkpoint complete on every rank.", folder)
-            return folder
-        logger.warning("Not resuming from %s (%s); it is left as it is.", folder, problem)
-    logger.info("No complete checkpoint in %s: starting fresh.", output_dir)
+            logger.info("Resuming from %s, the newest checkpoint complete on every rank.", path)
+            return path
+        logger.warning("Not resuming from %s (%s); it is left as it is.", path, problem)
+    logger.info("No complete checkpoint in %s: starting fresh.", where)
     return None
 
 
-def find_resumable_checkpoint(output_dir: str) -> str | None:
+def numbered_checkpoints(output_dir: str, pattern: str | re.Pattern | None = None) -> list[tuple[int, str]]:
+    """The folders of ``output_dir`` whose names ``pattern`` matches (its first group: the checkpoint's number), as
+    ``(number, path)``, newest (highest number) first. Default: the Trainer's ``checkpoint-N``."""
+    pattern = _CHECKPOINT if pattern is None else re.compile(pattern)
+    found = []
+    if os.path.isdir(output_dir):
+        for name in os.listdir(output_dir):
+            m = pattern.match(name)
+            if m and os.path.isdir(os.path.join(output_dir, name)):
+                found.append((int(m.group(1)), os.path.join(output_dir, name)))
+    return sorted(found, reverse=True)
+
+
+def _on_rank_zero(fn):
+    # fn() on rank 0, its answer broadcast to every rank (one broadcast when torch.distributed runs several ranks)
+    import torch.distributed as dist
+
+    on = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    answer = [None]
+    if not on or dist.get_rank() == 0:
+        answer[0] = fn()
+    if on:
+        dist.broadcast_object_list(answer, src=0)
+    return answer[0]
+
+
+def find_resumable_checkpoint(output_dir: str, *, pattern: str | re.Pattern | None = None) -> str | None:
     """The newest ``output_dir/checkpoint-N`` that is complete on every rank (:func:`checkpoint_problem`), or ``None``.
 
     What ``--resume_from_checkpoint auto`` resolves to (``BirderTrainer.train``). Newer folders that are not complete
     are named in the log (warning) and left alone; the choice, or "starting fresh", is one log line. Collective when
     ``torch.distributed`` is initialized: rank 0 looks and every rank gets its answer (one broadcast), so all ranks
-    resume from the same checkpoint.
+    resume from the same checkpoint. ``pattern``: which folders are checkpoints, its first group their number
+    (:func:`numbered_checkpoints`; accelerate's ``load_resumable_state`` passes its own).
     """
-    import torch.distributed as dist
-
-    on = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    choice = [None]
-    if not on or dist.get_rank() == 0:
-        choice[0] = _newest_complete_checkpoint(output_dir)
-    if on:
-        dist.broadcast_object_list(choice, src=0)
-    return choice[0]
+    return _on_rank_zero(
+        lambda: _newest_complete(output_dir, [path for _, path in numbered_checkpoints(output_dir, pattern)])
+    )

@@ -10,8 +10,13 @@
             accelerator.backward(loss_fn(model, batch))
             optimizer.step()
             optimizer.zero_grad()
-    accelerator.save_state(path)   # also writes every rank's Birder state (path/birder/)
+    accelerator.save_state(path)   # also writes every rank's Birder state (path/birder/), then the completion marker
     accelerator.load_state(path)   # and every rank loads its own
+
+After a restart (``torchrun --max-restarts N``), ``load_resumable_state(accelerator, folder)`` loads the newest
+checkpoint under ``folder`` that is complete on every rank (``ProjectConfiguration(automatic_checkpoint_naming=True)``:
+``project_dir/checkpoints/checkpoint_N``, the default folder; or any folder of checkpoints whose names end in their
+number), or starts fresh.
 
 The same call registers ``onebit_adam_hook`` for a ``OneBitAdam`` optimizer (1-bit Adam, the paper's compressed
 baseline), with the same per-rank checkpoints.
@@ -36,11 +41,21 @@ it would also un-scale ``.grad``, which Birder refuses with an error).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import re
+import shutil
 
 from ..base import OneBitOptimizer, unwrap_optimizer
-from ..checkpoint import read_own_rank_state, save_rank_state
+from ..checkpoint import (
+    clear_completion_marker,
+    find_resumable_checkpoint,
+    mark_checkpoint_complete,
+    numbered_checkpoints,
+    read_own_rank_state,
+    save_rank_state,
+)
 from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, check_settings
 from ..communicators import agree_setup, setup_group
 from ..fsdp import register_birder_fsdp
@@ -48,9 +63,19 @@ from ..hook import attach_ddp_hook
 from ..onebit_adam import OneBitAdam
 from ..topology import Topology
 
-__all__ = ["register_birder_hook", "check_really_distributed", "check_elastic_restart", "report_skipped_step"]
+__all__ = [
+    "register_birder_hook",
+    "load_resumable_state",
+    "check_really_distributed",
+    "check_elastic_restart",
+    "report_skipped_step",
+]
 
 logger = logging.getLogger(__name__)
+
+# accelerate's automatic naming (checkpoint_N) and the usual hand-made names (checkpoint-N, step_N, epoch_N): a folder
+# whose name ends in its number; accelerate's own load_state() orders its checkpoints by that number too
+_NUMBERED = re.compile(r"^(?:.*\D)?(\d+)$")
 
 
 def check_really_distributed(num_processes: int) -> None:
@@ -109,7 +134,8 @@ def register_birder_hook(accelerator, model, optimizer, *, topology: Topology | 
         there is no communication to compress.
 
     Also registers ``save_state``/``load_state`` hooks that write and read every rank's own optimizer
-    state (``birder_hf.checkpoint``).
+    state (``birder_hf.checkpoint``), and makes this accelerator's ``save_state`` mark each checkpoint complete
+    (``birder_complete.json``) once every rank has written all its files, for :func:`load_resumable_state`.
     """
     inner = unwrap_optimizer(optimizer)
     error = None
@@ -186,6 +212,61 @@ def _check_options(method: str = DEFAULT_METHOD, inter_method: str = DEFAULT_INT
     check_settings(method, inter_method, others.get("chunk_numel"))
 
 
+def load_resumable_state(accelerator, checkpoints_dir: str | os.PathLike | None = None, **load_kwargs) -> str | None:
+    """Load the newest checkpoint under ``checkpoints_dir`` that is complete on every rank; return its path, or
+    ``None`` (nothing loaded: a fresh start).
+
+    What a script run with ``torchrun --max-restarts N`` calls after ``prepare`` and :func:`register_birder_hook`, in
+    place of ``accelerator.load_state(...)``::
+
+        path = load_resumable_state(accelerator)           # ProjectConfiguration(automatic_checkpoint_naming=True)
+        path = load_resumable_state(accelerator, "out")    # out/step_100, out/step_200, ... (any name ending in N)
+
+    Args:
+        accelerator (`accelerate.Accelerator`): the accelerator :func:`register_birder_hook` was called with (its
+            ``save_state`` writes the completion marker).
+        checkpoints_dir (`str`, *optional*): the folder holding the checkpoint folders. Default, with
+            ``ProjectConfiguration(automatic_checkpoint_naming=True)``: ``project_dir/checkpoints``.
+        **load_kwargs: passed to ``accelerator.load_state``.
+
+    The checkpoints are the sub-folders whose names end in a number, newest (highest number) first, as accelerate's
+    own ``load_state()`` orders them; the first one whose ``birder_complete.json`` is there and whose files all match
+    it is loaded (``accelerator.load_state``: every rank takes its own Birder state). Newer ones that are not
+    complete (a job killed while saving them) are named in a warning and left alone; the choice, or "starting fresh",
+    is one log line. With automatic naming, the next ``save_state`` goes after the highest number present (accelerate
+    would otherwise write ``checkpoint_0`` again and refuse an existing folder). Collective: every rank calls it, and
+    rank 0's choice is every rank's.
+    """
+    config = accelerator.project_configuration
+    if checkpoints_dir is None:
+        if not config.automatic_checkpoint_naming:
+            raise ValueError(
+                "load_resumable_state needs the folder that holds the checkpoints: pass checkpoints_dir=..., or use "
+                "Accelerator(project_config=ProjectConfiguration(project_dir=..., automatic_checkpoint_naming=True))."
+            )
+        checkpoints_dir = os.path.join(accelerator.project_dir, "checkpoints")
+    folder = os.path.expanduser(os.fspath(checkpoints_dir))
+    path = find_resumable_checkpoint(folder, pattern=_NUMBERED)
+    automatic = os.path.join(accelerator.project_dir or "", "checkpoints")
+    if config.automatic_checkpoint_naming and os.path.abspath(folder) == os.path.abspath(automatic):
+        numbers = [n for n, _ in numbered_checkpoints(folder, _NUMBERED)]
+        # rank 0's listing: every rank must name the next checkpoint alike
+        config.iteration = max(config.iteration, _rank_zero_value(max(numbers, default=-1) + 1))
+    if path is not None:
+        accelerator.load_state(path, **load_kwargs)
+    return path
+
+
+def _rank_zero_value(value):
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return value
+
+
 def _register_checkpoint_hooks(accelerator, optimizer: OneBitOptimizer) -> None:
     def save_pre_hook(models, weights, output_dir):
         save_rank_state(optimizer, output_dir, rank=accelerator.process_index, world_size=accelerator.num_processes)
@@ -200,3 +281,63 @@ def _register_checkpoint_hooks(accelerator, optimizer: OneBitOptimizer) -> None:
 
     accelerator.register_save_state_pre_hook(save_pre_hook)
     accelerator.register_load_state_pre_hook(load_pre_hook)
+    _mark_saves_complete(accelerator)
+
+
+def _mark_saves_complete(accelerator) -> None:
+    # accelerate 1.15 has no hook after save_state writes its files (its pre-hooks run before them), so this
+    # accelerator's save_state is wrapped (an instance attribute; the class is untouched), once
+    original = accelerator.save_state
+    if getattr(original, "_birder_marks_complete", False):
+        return
+
+    @functools.wraps(original)
+    def save_state(output_dir=None, *args, **kwargs):
+        config = accelerator.project_configuration
+        automatic = config.automatic_checkpoint_naming
+        if automatic:  # where accelerate will save (it refuses an existing folder)
+            folder = os.path.join(accelerator.project_dir, "checkpoints", f"checkpoint_{accelerator.save_iteration}")
+        else:
+            folder = None if output_dir is None else os.path.expanduser(os.fspath(output_dir))
+        if folder is None:
+            return original(output_dir, *args, **kwargs)  # accelerate's own error, on every rank
+        if not automatic:  # (automatic naming refuses an existing folder)
+            clear_completion_marker(folder)  # every rank, before it writes: no marker covers a file being rewritten
+        # old checkpoints are rotated away after the new one is marked, not before accelerate writes it
+        limit = config.total_limit if automatic else None
+        failure, location = None, None
+        try:
+            if limit is not None:
+                config.total_limit = None
+            location = original(output_dir, *args, **kwargs)
+        except Exception as exc:  # every rank still joins the marker's all-gather, which then fails everywhere
+            failure = exc
+        finally:
+            if limit is not None:
+                config.total_limit = limit
+        writer = accelerator.is_local_main_process if config.save_on_each_node else accelerator.is_main_process
+        try:
+            mark_checkpoint_complete(
+                folder,
+                rank=accelerator.process_index,
+                world_size=accelerator.num_processes,
+                write=writer,
+                failed=None if failure is None else f"{type(failure).__name__}: {failure}",
+            )
+        except RuntimeError:
+            if failure is not None:
+                raise failure from None
+            raise
+        if limit is not None and accelerator.is_main_process:
+            _rotate(os.path.dirname(folder), limit)
+        return location
+
+    save_state._birder_marks_complete = True
+    accelerator.save_state = save_state
+
+
+def _rotate(parent: str, limit: int) -> None:
+    # accelerate's total_limit: keep the newest `limit` checkpoints (by number), now that the newest is complete
+    for _, path in numbered_checkpoints(parent, _NUMBERED)[max(limit, 1) :]:
+        logger.info("Removing %s (ProjectConfiguration(total_limit=%d)).", path, limit)
+        shutil.rmtree(path, ignore_errors=True)

@@ -9,6 +9,8 @@ The LightningModule returns a :class:`birder_hf.Birder` (or :class:`birder_hf.On
     trainer = Trainer(accelerator="gpu", devices=8, num_nodes=4, strategy=BirderDDPStrategy(method="hierarchical"))
     trainer.fit(model)                      # the 1-bit hierarchical all-reduce, 4 nodes x 8
     trainer.fit(model, ckpt_path="last")    # every rank resumes from its own Birder state
+    # after an elastic restart: the newest checkpoint complete on every rank, or None (a fresh start)
+    trainer.fit(model, ckpt_path=find_resumable_lightning_checkpoint("checkpoints/"))
 
 Why a strategy subclass: ``DDPStrategy(ddp_comm_hook=..., ddp_comm_state=...)`` registers the hook while it
 wraps the model, before ``configure_optimizers`` runs (and, in Lightning 2.6, only on CUDA), so a hook state
@@ -23,10 +25,13 @@ uses are public ``Strategy`` methods:
 - ``save_checkpoint`` / ``remove_checkpoint``: Lightning writes rank 0's optimizer state only; every rank also
   writes its own Birder state beside the checkpoint, in ``<checkpoint>.birder/`` (``birder_state_dir``; the
   files inside are ``birder_hf.checkpoint``'s usual ``birder/rank_00003-of-00008.pt``), and removes it with
-  the checkpoint (``ModelCheckpoint(save_top_k=...)``);
+  the checkpoint (``ModelCheckpoint(save_top_k=...)``); once every rank has written, rank 0 writes
+  ``birder_complete.json`` into that folder, last and atomically, listing the ``.ckpt`` and every rank's file;
 - ``load_checkpoint`` / ``load_optimizer_state_dict``: after Lightning loaded rank 0's optimizer state into
   every rank, each rank loads its own, so ``fit(ckpt_path=...)`` continues bit for bit. A checkpoint without
-  that folder is an error, never a silent reset to rank 0's state.
+  that folder is an error, never a silent reset to rank 0's state; so is one that is not complete (no marker, or a
+  file that no longer matches it: ``ckpt_path="last"`` after a job died while rewriting ``last.ckpt``), refused on
+  every rank before any state loads.
 
 fp16 (``"16-mixed"``) trains with loss scaling: under the hook Birder takes the scaled gradients as they are and tells
 Lightning's ``MixedPrecision`` plugin not to un-scale ``.grad`` (``_step_supports_amp_scaling``); an overflow on any
@@ -54,7 +59,14 @@ import os
 import shutil
 from typing import Any
 
-from ..checkpoint import read_own_rank_state, save_rank_state
+from ..checkpoint import (
+    MARKER,
+    checkpoint_problem,
+    clear_completion_marker,
+    mark_checkpoint_complete,
+    read_own_rank_state,
+    save_rank_state,
+)
 from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, INTER_METHODS, METHODS
 from ..communicators import HookState
 from ..hook import BirderHookState, attach_ddp_hook
@@ -65,13 +77,13 @@ from ..topology import Topology
 try:
     from lightning.pytorch.strategies import DDPStrategy
     from lightning.pytorch.trainer.states import TrainerFn
-    from lightning.pytorch.utilities import rank_zero_info
+    from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "birder_hf.integrations.lightning needs PyTorch Lightning: pip install 'birder-hf[lightning]'"
     ) from exc
 
-__all__ = ["BirderDDPStrategy", "birder_state_dir"]
+__all__ = ["BirderDDPStrategy", "birder_state_dir", "find_resumable_lightning_checkpoint"]
 
 _ONE_BIT = (Birder, OneBitAdam)
 
@@ -90,6 +102,54 @@ def birder_state_dir(checkpoint_path: str | os.PathLike) -> str:
             "(ModelCheckpoint(dirpath=...))."
         )
     return os.path.realpath(path) + ".birder"
+
+
+def _lightning_checkpoint_problem(checkpoint_path: str) -> str | None:
+    # why a Lightning checkpoint cannot be resumed from: its .ckpt, or every rank's Birder file, not all there
+    if not os.path.exists(checkpoint_path):
+        return "the .ckpt is missing (a link to a removed checkpoint, or rank 0 died before writing it)"
+    return checkpoint_problem(birder_state_dir(checkpoint_path))
+
+
+def find_resumable_lightning_checkpoint(dirpath: str | os.PathLike) -> str | None:
+    """The newest ``.ckpt`` in ``dirpath`` (``ModelCheckpoint(dirpath=...)``) that is complete on every rank, or
+    ``None``: pass it as ``trainer.fit(model, ckpt_path=...)`` (``None`` starts fresh).
+
+    Complete: ``BirderDDPStrategy`` wrote its ``<name>.ckpt.birder/birder_complete.json`` after every rank had written
+    its Birder state and rank 0 the ``.ckpt``, and every file it lists is still there with the same size. Newest: the
+    latest written (the ``.ckpt``, a ``save_last="link"`` link, or its Birder folder), as ``ckpt_path="last"`` picks by
+    time; so ``last.ckpt`` is chosen when it is complete, and an earlier checkpoint when the job died while rewriting
+    it. Newer checkpoints that are not complete are named in a warning and left alone; the choice, or "starting
+    fresh", is one line of rank 0's log. Reads only the file system (call it before ``fit``, where Lightning has not
+    yet started its process group): on a shared disk every rank finds the same one, and the strategy refuses to
+    resume ranks that disagree.
+    """
+    folder = os.fspath(dirpath)
+    if "://" in folder:
+        birder_state_dir(folder)  # the remote-URL error
+    found = {}
+    if os.path.isdir(folder):
+        for name in os.listdir(folder):
+            path = os.path.join(folder, name)
+            if name.endswith(".ckpt.birder") and os.path.isdir(path):
+                name, path = name[: -len(".birder")], path[: -len(".birder")]  # its .ckpt may be missing
+            elif not name.endswith(".ckpt"):
+                continue
+            times = []
+            for part in (path, path + ".birder", os.path.join(path + ".birder", MARKER)):
+                try:
+                    times.append(os.lstat(part).st_mtime_ns)
+                except OSError:
+                    pass
+            found[path] = (max(times), name)
+    for path in sorted(found, key=found.get, reverse=True):
+        problem = _lightning_checkpoint_problem(path)
+        if problem is None:
+            rank_zero_info(f"Resuming from {path}, the newest checkpoint complete on every rank.")
+            return path
+        rank_zero_warn(f"Not resuming from {path} ({problem}); it is left as it is.")
+    rank_zero_info(f"No complete checkpoint in {folder}: starting fresh.")
+    return None
 
 
 def _check_trainer_settings(precision: str, gradient_clip_val: float | None) -> None:
@@ -267,9 +327,38 @@ class BirderDDPStrategy(DDPStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         opt = self._one_bit_optimizer_or_none()
-        if opt is not None and "optimizer_states" in checkpoint:  # not save_weights_only
-            save_rank_state(opt, birder_state_dir(filepath), rank=self.global_rank, world_size=self.world_size)
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if opt is None or "optimizer_states" not in checkpoint:  # save_weights_only: nothing to resume from
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        folder = birder_state_dir(filepath)
+        clear_completion_marker(folder)  # every rank, before it writes (last.ckpt is rewritten at every save)
+        failure = None
+        try:
+            save_rank_state(opt, folder, rank=self.global_rank, world_size=self.world_size)
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # rank 0 writes the .ckpt
+        except Exception as exc:  # every rank still joins the marker's all-gather, which then fails everywhere
+            failure = exc
+        ckpt = os.path.realpath(filepath)
+        write = self.is_global_zero and failure is None
+        if write and not os.path.isfile(ckpt):
+            write = False
+            rank_zero_warn(
+                f"{filepath} was not on disk after rank 0 saved it (an asynchronous CheckpointIO?), so it is not "
+                "marked complete: find_resumable_lightning_checkpoint will not choose it, and the strategy will not "
+                "resume from it."
+            )
+        try:
+            mark_checkpoint_complete(
+                folder,
+                rank=self.global_rank,
+                world_size=self.world_size,
+                write=write,
+                failed=None if failure is None else f"{type(failure).__name__}: {failure}",
+                extra_files=[ckpt] if write else (),
+            )
+        except RuntimeError:
+            if failure is not None:
+                raise failure from None
+            raise
 
     def remove_checkpoint(self, filepath) -> None:
         # a symlink (save_last="link") goes alone: its target keeps its Birder state
@@ -281,7 +370,46 @@ class BirderDDPStrategy(DDPStrategy):
 
     def load_checkpoint(self, checkpoint_path, *args: Any, **kwargs: Any) -> dict[str, Any]:
         self._resume_checkpoint = os.fspath(checkpoint_path)
+        if self._fitting():
+            self._check_complete(self._resume_checkpoint)
         return super().load_checkpoint(checkpoint_path, *args, **kwargs)
+
+    def _fitting(self) -> bool:
+        if self.lightning_module is None:
+            return False
+        try:
+            trainer = self.lightning_module.trainer
+        except RuntimeError:  # a module not attached to a Trainer
+            return False
+        return trainer is not None and trainer.state.fn == TrainerFn.FITTING
+
+    def _check_complete(self, path: str) -> None:
+        # before anything loads, on every rank together: the same checkpoint, complete (a .ckpt without a Birder
+        # folder is left to load_optimizer_state_dict's error, after Lightning has looked at what it holds)
+        problem = None
+        if os.path.isdir(birder_state_dir(path)):
+            problem = _lightning_checkpoint_problem(path)
+        import torch.distributed as dist
+
+        reports = [(path, problem)]
+        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
+            reports = [None] * dist.get_world_size()
+            dist.all_gather_object(reports, (path, problem))
+        paths = {p for p, _ in reports}
+        if len(paths) > 1:
+            raise RuntimeError(
+                f"The ranks would resume from different checkpoints ({', '.join(sorted(paths))}); pass every rank "
+                "the same ckpt_path (find_resumable_lightning_checkpoint on a disk that every rank sees)."
+            )
+        bad = next(((r, p) for r, (_, p) in enumerate(reports) if p is not None), None)
+        if bad is not None:
+            rank, problem = bad
+            raise RuntimeError(
+                f"{path} is not complete on every rank (rank {rank} sees: {problem}), so its ranks' Birder states may "
+                "not belong together; nothing was loaded. Resume from the newest complete checkpoint: "
+                "trainer.fit(model, ckpt_path=find_resumable_lightning_checkpoint(dirpath)) "
+                "(birder_hf.integrations.lightning)."
+            )
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
         super().load_optimizer_state_dict(checkpoint)  # rank 0's state, on every rank
