@@ -26,7 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from birder_hf import Topology, collectives, onebit_all_reduce
+from birder_hf import Topology, agreement, onebit_all_reduce, wire
 
 
 def _rank(rank: int, world: int, init: str, numel: int, calls: int, lookups: int, queue) -> None:
@@ -37,13 +37,13 @@ def _rank(rank: int, world: int, init: str, numel: int, calls: int, lookups: int
         topo = Topology.flat()
         u = torch.rand(numel) * 2 - 1
         gathers = []
-        real = collectives._all_gather
+        real = wire._all_gather
 
         def counting(out, inp, **kwargs):  # the check's all-gather is the only one of int64
             gathers.append(inp.dtype == torch.int64)
             return real(out, inp, **kwargs)
 
-        collectives._all_gather = counting
+        wire._all_gather = counting
         onebit_all_reduce(u, topology=topo, method="allgather", keys=1)
         first = sum(gathers)
         gathers.clear()
@@ -53,20 +53,20 @@ def _rank(rank: int, world: int, init: str, numel: int, calls: int, lookups: int
             onebit_all_reduce(u, topology=topo, method="allgather", keys=i)
             times.append(time.perf_counter() - t0)
         later = sum(gathers)
-        collectives._all_gather = real
+        wire._all_gather = real
 
-        signature = collectives._signature(topo, numel, "allgather", "allgather", 0, u.dtype)
+        signature = agreement.signature_of(topo, numel, "allgather", "allgather", 0, u.dtype)
         exchanges = []
         for _ in range(20):
             dist.barrier(group=topo.world_group)
             t0 = time.perf_counter()
-            collectives._agree(topo, signature, u.device)
+            agreement.agree(topo, signature, u.device)
             exchanges.append(time.perf_counter() - t0)
         per_lookup = []
         for _ in range(7):
             t0 = time.perf_counter()
             for _ in range(lookups):  # what a later call adds: build its signature, find it
-                collectives._claim(topo, collectives._signature(topo, numel, "allgather", "allgather", 0, u.dtype))
+                agreement.claim(topo, agreement.signature_of(topo, numel, "allgather", "allgather", 0, u.dtype))
             per_lookup.append((time.perf_counter() - t0) / lookups)
         queue.put(
             (

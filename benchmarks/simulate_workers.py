@@ -9,7 +9,7 @@ every number that reaches the parameters:
 - **vote**: ``BitKeys.quantize_pack`` with each worker's antithetic role (``quantize.antithetic``), the same keys the
   DDP hook uses (``Birder.bit_keys``);
 - **node re-quantization and mean**: ``BitKeys.requantize_pack`` with the node's antithetic role, then the vote counts
-  (``collectives._count_planes``) and ``quantize.digits_mean_``, as ``collectives._Plan._finish_hierarchical`` does;
+  (``collectives._count_planes``) and ``quantize.digits_mean_``, as ``collectives._Hierarchical.finish`` does;
 - **apply**: ``birder_apply``.
 
 What is this module's own is only the routing (which rank's bytes meet which), the part a real run does with

@@ -28,6 +28,10 @@ MODULES = [
     "birder_hf.hook",
     "birder_hf.topology",
     "birder_hf.collectives",
+    "birder_hf.settings",
+    "birder_hf.wire",
+    "birder_hf.agreement",
+    "birder_hf.lifecycle",
     "birder_hf.quantize",
     "birder_hf.checkpoint",
     "birder_hf.fsdp",
@@ -39,6 +43,7 @@ MODULES = [
     "birder_hf.preflight",
     "birder_hf.integrations.accelerate",
     "birder_hf.integrations.transformers",
+    "birder_hf.integrations.hsdp_trainer",
     "birder_hf.integrations.timm",
     "birder_hf.integrations.lightning",
 ]

@@ -24,6 +24,7 @@ from _dist import run_distributed
 from birder_hf import Birder, BirderHookState, OneBitAdam, Topology, onebit_all_reduce
 from birder_hf.checkpoint import load_rank_state, save_rank_state
 from birder_hf.preflight import PreflightError
+from birder_hf.settings import CommSettings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -119,7 +120,7 @@ def _recipe_args(name, *argv):
 
 
 def _preflight(*argv):
-    from birder_hf import preflight
+    from birder_hf.cli import preflight
 
     return preflight._config(preflight._parser().parse_args(list(argv)), {})
 
@@ -250,7 +251,7 @@ ROWS = [
     P(
         lambda e: _birder_arguments(inter_method="bogus"),
         ValueError,
-        ["inter_method='bogus'", "allgather, scatter_gather"],
+        ["inter_method 'bogus'", "allgather, scatter_gather"],
         id="args-inter-method",
     ),
     P(
@@ -354,6 +355,18 @@ ROWS = [
         ValueError,
         ["chunk_numel='abc'", "int >= 1"],
         id="allreduce-chunk-numel",
+    ),
+    P(
+        lambda e: onebit_all_reduce(torch.zeros(8), method=CommSettings("allgather"), chunk_numel=16),
+        TypeError,
+        ["inside the CommSettings"],
+        id="allreduce-settings-object-and-strings",
+    ),
+    P(
+        lambda e: CommSettings(method="Hierarchical"),
+        ValueError,
+        ["unknown method 'Hierarchical'", "valid methods"],
+        id="settings-object-method",
     ),
     P(
         lambda e: Birder([_param()], topology="flat"),
@@ -987,16 +1000,16 @@ def test_a_full_disk_says_so_and_keeps_the_previous_checkpoint(tmp_path):
 
 # ------------------------------------------------------------------------- the agreement check's cost
 def _count_checks(rank, world):
-    from birder_hf import collectives
+    from birder_hf import wire
 
     checks = []
-    real = collectives._all_gather
+    real = wire._all_gather
 
     def counting(out, inp, **kwargs):  # the check's all-gather is the only one of int64
         checks.append(inp.dtype == torch.int64)
         return real(out, inp, **kwargs)
 
-    collectives._all_gather = counting
+    wire._all_gather = counting
     topo = Topology.flat()
     counts = []
     for numel in (64, 64, 64, 128, 64):
@@ -1012,7 +1025,7 @@ def _count_checks(rank, world):
         p.grad = torch.randn(40)
         opt.step()
         steps.append(sum(checks))
-    collectives._all_gather = real
+    wire._all_gather = real
     return counts, steps
 
 

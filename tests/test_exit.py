@@ -4,7 +4,7 @@ The async 1-bit all-reduce runs Python callbacks on the backend's threads, and t
 taking the GIL, after the Future it completed has woken its waiter. A process whose main thread ends in that window
 (the README's DDP snippet under CPU load: 1 run in 3 to 8) starts finalizing the interpreter first, and the backend
 thread asking for the GIL is ended through a noexcept destructor: "terminate called without an active exception",
-SIGABRT. ``collectives.then`` counts the callbacks until they are released, and the process waits for them at exit and
+SIGABRT. ``lifecycle.then`` counts the callbacks until they are released, and the process waits for them at exit and
 in ``Topology.close()``.
 
 These tests start real processes that exit normally (forked ranks leave through ``os._exit``, which skips the

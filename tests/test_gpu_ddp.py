@@ -188,7 +188,7 @@ def test_training_on_a_side_stream_gives_the_same_result(nccl_one_rank):
 
 @gpu
 @pytest.mark.xfail(
-    reason="by reading: on a group of one rank the Future is not CUDA-aware (collectives._Done), so a consumer on "
+    reason="by reading: on a group of one rank the Future is not CUDA-aware (wire.Done), so a consumer on "
     "another stream does not wait for the decode; DDP consumes it on the same stream and is not affected",
     strict=False,
 )

@@ -256,3 +256,39 @@ def test_hook_follows_param_groups_replaced_by_load_state_dict():
         return torch.allclose(opt.state[p]["exp_avg"], 0.5 * g, rtol=0, atol=1e-7)
 
     assert all(run_distributed(fn, 2))
+
+
+def _count_settings_checks(rank, world):
+    from birder_hf import attach_ddp_hook
+    from birder_hf.settings import CommSettings
+
+    checks = []
+    real = CommSettings.__post_init__
+
+    def counting(self):
+        checks.append(self.method)
+        real(self)
+
+    CommSettings.__post_init__ = counting
+    try:
+        model = _model()
+        ddp = DDP(model, bucket_cap_mb=0.002)  # several buckets: several all-reduce calls per step
+        opt = Birder(model.parameters(), lr=0.02, seed=5)
+        state = attach_ddp_hook(ddp, opt, topology=Topology.flat(), method="allgather", chunk_numel=64)
+        for t in range(3):
+            x, y = _batch(rank, t)
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        return checks, state.comm_settings, state.stats.calls
+    finally:
+        CommSettings.__post_init__ = real
+
+
+def test_settings_are_checked_once_and_passed_whole():
+    # attach_ddp_hook checks method/inter_method/chunk_numel once; the hook state and every all-reduce call it makes
+    # take the checked object whole instead of checking the strings again
+    for checks, settings, calls in run_distributed(_count_settings_checks, 2):
+        assert calls >= 4, calls  # one bucket on step 1, several after DDP's rebuild went through onebit_all_reduce
+        assert checks == ["allgather"], checks
+        assert (settings.method, settings.inter_method, settings.chunk_numel) == ("allgather", "allgather", 64)

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from birder_hf import preflight
-from birder_hf._preflight_ranks import _judge, _ranges, render
+from birder_hf.cli import preflight
+from birder_hf.cli.ranks import _judge, _ranges, render
 
 ROOT = Path(__file__).resolve().parents[1]
 _LAUNCH_VARS = (

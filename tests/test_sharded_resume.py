@@ -104,7 +104,7 @@ def test_a_sharded_resume_of_a_model_saved_under_other_keys_restores_every_weigh
 def test_weights_that_do_not_cover_the_model_are_refused_naming_the_keys(tmp_path):
     from safetensors.torch import load_file
 
-    from birder_hf.integrations.transformers import _model_keys
+    from birder_hf.integrations.hsdp_trainer import _model_keys
 
     model = _vit()
     model.save_pretrained(str(tmp_path))
@@ -121,7 +121,7 @@ def test_weights_that_do_not_cover_the_model_are_refused_naming_the_keys(tmp_pat
 
 
 def test_a_tied_weight_may_be_absent():
-    from birder_hf.integrations.transformers import _model_keys
+    from birder_hf.integrations.hsdp_trainer import _model_keys
 
     class Tied(torch.nn.Module):
         def __init__(self):

@@ -48,7 +48,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from birder_hf import Birder, BirderHookState, OneBitAdam, OneBitAdamHookState, Topology, birder_hook, onebit_adam_hook
-from birder_hf.collectives import CommStats, onebit_all_reduce
+from birder_hf.collectives import CommSettings, CommStats, onebit_all_reduce
 from birder_hf.quantize import BitKeys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -263,7 +263,8 @@ def link_counters() -> tuple[int, int] | None:
 def step(arm: Arm, dispatch: Dispatch, model_name: str, module, batch, timed: bool) -> None:
     dispatch.hook, dispatch.state = arm.hook, arm.state
     if arm.birder is not None:
-        arm.state.method, arm.state.topology = arm.birder
+        method, arm.state.topology = arm.birder
+        arm.state.comm_settings = CommSettings(method)
     stats = arm.state.stats.as_dict("") if isinstance(arm.state, (BirderHookState, OneBitAdamHookState)) else None
     link0 = link_counters() if timed else None
     c0 = time.process_time()

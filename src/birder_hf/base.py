@@ -188,6 +188,16 @@ class OneBitOptimizer(Optimizer):
     required_state: ClassVar[tuple[str, ...]] = ()  # keys every saved per-parameter state has
     tensor_state: ClassVar[tuple[str, ...]] = ()  # keys holding a tensor shaped like the (local) parameter
 
+    # What it needs and supports: the hooks, the integrations and the model card ask these instead of testing types.
+    takes_all_reduce_settings: ClassVar[bool] = True  # method/inter_method/chunk_numel shape its exchange
+    loss_scaling: ClassVar[bool] = True  # trains with fp16 loss scaling (its hook divides the scale out)
+    sharding_refusal: ClassVar[str | None] = None  # why it cannot train on FSDP2 shards (None: it can)
+    metrics_prefix: ClassVar[str] = "birder/"  # the prefix of its logged communication metrics
+    card_keys: ClassVar[tuple[str, ...]] = ()  # the param-group settings a model card lists
+    card_name: ClassVar[str] = ""  # the model card's "- optimizer:" line
+    card_title: ClassVar[str] = ""
+    card_summary: ClassVar[str] = ""
+
     def __init__(self, params, defaults: dict):
         self.step_was_skipped = False  # whether the last step() skipped (a rank had a non-finite gradient)
         self._communicator: Communicator | None = None
@@ -205,6 +215,17 @@ class OneBitOptimizer(Optimizer):
         for group in self.param_groups:  # an older state dict may lack a newer setting (torch.optim does the same)
             for key in self.optional_settings:
                 group.setdefault(key, self.defaults[key])
+
+    def card_settings(self) -> dict:
+        """The configured hyperparameters (first param group; a scheduled or Tensor ``lr`` as configured)."""
+        g = self.param_groups[0]
+        lr = g.get("initial_lr", g["lr"])
+        lr = float(f"{lr.item():.7g}") if isinstance(lr, torch.Tensor) else lr
+        return {k: lr if k == "lr" else g[k] for k in self.card_keys}
+
+    def ddp_hook(self, *, topology, check_finite: bool, grad_scaler):
+        """Its own DDP communication hook as ``(state, hook)``, or ``None`` for Birder's (``birder_hf.hook``)."""
+        return None
 
     # ---------------------------------------------------------------------------------- communicator
     @property

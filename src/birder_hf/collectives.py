@@ -40,25 +40,20 @@ Each method returns ``d``, identical bit for bit on every rank, with ``E[d] = me
 ``2^-23`` codec bias): every draw that other ranks depend on is made on exactly one rank and then
 shared as bits.
 
-The plumbing every communicator shares lives here too: :class:`Wire` (collectives on a topology's groups, with
-byte accounting) and :func:`launch_in_order` (calls on one topology run their collectives in call order).
+The rest lives by concern: the settings and their byte counts in ``settings.py``, the plumbing and byte accounting
+in ``wire.py``, the ranks' agreement in ``agreement.py``, the callbacks' and process groups' lifecycle in
+``lifecycle.py``; this module re-exports their public names.
 """
 
 from __future__ import annotations
 
-import atexit
-import math
 import numbers
-import threading
 import warnings
-import weakref
-from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass, fields
 
 import torch
-import torch.distributed as dist
 
+from .agreement import agree, claim, signature_of
+from .lifecycle import release_process_groups, wait_for_callbacks
 from .quantize import (
     STAGE_INTER_SHARD,
     STAGE_NODE,
@@ -69,12 +64,15 @@ from .quantize import (
     digits_mean_,
     votes_mean_,
 )
+from .settings import DEFAULT_INTER_METHOD, DEFAULT_METHOD, INTER_METHODS, METHODS, CommSettings, check_settings
 from .topology import Topology
+from .wire import DONE, CommStats, Job, Wire, check_device, fp32_allreduce_bytes, launch_in_order
 
 __all__ = [
     "onebit_all_reduce",
     "check_agreement",
     "check_settings",
+    "CommSettings",
     "CommStats",
     "expected_bytes",
     "fp32_allreduce_bytes",
@@ -84,536 +82,7 @@ __all__ = [
     "INTER_METHODS",
 ]
 
-METHODS = ("allgather", "scatter_gather", "hierarchical")
-INTER_METHODS = ("allgather", "scatter_gather")
-DEFAULT_METHOD = "hierarchical"  # every entry point's default (one node: the exact vote mean)
-DEFAULT_INTER_METHOD = "allgather"
 
-# all_gather_single replaces the deprecated all_gather_into_tensor in torch >= 2.13.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def fp32_allreduce_bytes(numel: int, world_size: int) -> int:
-    """What one rank sends in an fp32 ring all-reduce (DDP's default) of ``numel`` values: ``2(n-1)/n · 4 · numel``."""
-    return round(2 * (world_size - 1) * 4 * numel / world_size)
-
-
-@dataclass
-class CommStats:
-    """Bytes this rank SENT through the 1-bit all-reduce, split by link, next to the fp32 baseline.
-
-    Accounting: an all-gather of ``P`` bytes among ``m`` ranks sends ``(m-1)·P`` (ring); an all-to-all
-    with ``P`` bytes per peer sends ``(m-1)·P``. Collectives on the intra-node (inter-node) group count
-    as intra (inter). A collective on the whole world with ``L`` ranks per node counts ``(L-1)·P`` as
-    intra and ``(n-L)·P`` as inter: each peer's share, as if sent to it directly (a simple model; a
-    ring sends all its bytes to one neighbour).
-    """
-
-    intra_node_bytes: int = 0
-    inter_node_bytes: int = 0
-    calls: int = 0  # onebit_all_reduce calls
-    collectives: int = 0  # collectives launched (size-1 groups launch none)
-    fp32_allreduce_bytes: int = 0  # what DDP's fp32 ring all-reduce would send: 2(n-1)/n · 4 · numel
-
-    @property
-    def total_bytes(self) -> int:
-        return self.intra_node_bytes + self.inter_node_bytes
-
-    @property
-    def compression_ratio(self) -> float:
-        """fp32 ring all-reduce bytes / 1-bit bytes (higher => less traffic); ``inf`` if nothing was sent."""
-        if self.total_bytes == 0:
-            return math.inf if self.fp32_allreduce_bytes else 0.0
-        return self.fp32_allreduce_bytes / self.total_bytes
-
-    def reset(self) -> None:
-        for f in fields(self):
-            setattr(self, f.name, 0)
-
-    def __iadd__(self, other: CommStats) -> CommStats:
-        for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
-        return self
-
-    def as_dict(self, prefix: str = "comm/") -> dict[str, float]:
-        out = {prefix + f.name: getattr(self, f.name) for f in fields(self)}
-        out[prefix + "compression_ratio"] = self.compression_ratio
-        return out
-
-
-def _effective_method(method: str, lws: int, k: int) -> str:
-    # One node: hierarchical gives the exact vote mean, as allgather does (bit for bit). Sharing the vote counts
-    # costs (L-1)/L·d/8·(1 + bit_length(L)) bytes against allgather's (L-1)·d/8: fewer only from L = 5 ranks on.
-    if method == "hierarchical" and k == 1 and 1 + lws.bit_length() >= lws:
-        return "allgather"
-    return method
-
-
-def _alignment(method: str, n: int, lws: int, k: int, inter_method: str) -> int:
-    # elements per chunk must split into whole bytes for every shard of every stage
-    if method == "allgather":
-        return 8
-    if method == "scatter_gather":
-        return 8 * n
-    return 8 * lws * (k if inter_method == "scatter_gather" else 1)
-
-
-def expected_bytes(method: str, numel: int, topology, *, inter_method: str = DEFAULT_INTER_METHOD) -> dict[str, int]:
-    """Bytes one rank sends for ``numel`` elements, made exact for padding.
-
-    ``topology`` is a :class:`Topology` or a ``(num_nodes, local_world_size)`` tuple. Returns
-    ``intra_node_bytes``, ``inter_node_bytes`` and ``fp32_allreduce_bytes`` (same accounting as
-    :class:`CommStats`; independent of ``chunk_numel``). With ``d = numel`` (padded), ``n`` ranks,
-    ``k`` nodes of ``L``:
-
-    - allgather: ``(n-1)·d/8`` (intra ``(L-1)·d/8``, inter ``(n-L)·d/8``);
-    - scatter_gather: ``2(n-1)/n·d/8`` split the same way;
-    - hierarchical: inter ``(k-1)·d/(8L)`` (``inter_method="allgather"``) or ``2(k-1)/k·d/(8L)``
-      (``"scatter_gather"``); intra ``(L-1)/L·d/8`` (step 1) plus step 4: ``(L-1)/L·d/8`` for the ±1
-      bits (scatter_gather), ``bit_length(k)`` times that for the vote counts (allgather); on one node
-      (``k = 1``) the exact mean of the ``L`` votes: as allgather for ``L <= 4``, else step 4 shares their
-      counts, ``bit_length(L)`` times ``(L-1)/L·d/8``.
-    """
-    _check_method(method, inter_method)
-    if isinstance(topology, tuple):
-        k, lws = topology
-        n = k * lws
-    else:
-        n, lws, k = topology.world_size, topology.local_world_size, topology.num_nodes
-    method = _effective_method(method, lws, k)
-    align = _alignment(method, n, lws, k, inter_method)
-    d = -(-numel // align) * align
-    if method in ("allgather", "scatter_gather"):
-        per_peer = d // 8 if method == "allgather" else 2 * d // (8 * n)
-        intra, inter = (lws - 1) * per_peer, (n - lws) * per_peer
-    else:
-        shard = d // lws  # elements per node shard
-        intra = (lws - 1) * shard // 8  # step 1: all-to-all of the votes
-        if k == 1:  # one node: the exact vote counts of L votes, bit_length(L) bits per element
-            inter, step4 = 0, lws.bit_length() * shard // 8
-        elif inter_method == "allgather":
-            inter = (k - 1) * shard // 8
-            step4 = k.bit_length() * shard // 8  # the vote counts' binary digits
-        else:
-            inter = 2 * (k - 1) * (shard // k) // 8
-            step4 = shard // 8
-        intra += (lws - 1) * step4
-    fp32 = fp32_allreduce_bytes(numel, n)
-    return {"intra_node_bytes": intra, "inter_node_bytes": inter, "fp32_allreduce_bytes": fp32}
-
-
-def check_settings(method: str, inter_method: str = DEFAULT_INTER_METHOD, chunk_numel: int | None = None) -> None:
-    """Raise ``ValueError`` unless ``method``, ``inter_method`` and ``chunk_numel`` are valid settings of
-    :func:`onebit_all_reduce` (every entry point that takes them calls this, before anything else)."""
-    if not isinstance(method, str) or method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; valid methods: {', '.join(METHODS)}")
-    if not isinstance(inter_method, str) or inter_method not in INTER_METHODS:
-        raise ValueError(f"unknown inter_method {inter_method!r}; valid: {', '.join(INTER_METHODS)}")
-    if chunk_numel is not None and not (
-        isinstance(chunk_numel, numbers.Integral) and not isinstance(chunk_numel, bool) and chunk_numel >= 1
-    ):
-        raise ValueError(
-            f"Invalid chunk_numel={chunk_numel!r}: chunk_numel must be None (one round) or an int >= 1, the elements "
-            "per collective round (e.g. 2**24)."
-        )
-
-
-_check_method = check_settings  # the old private name
-
-
-def _check_device(group, device: torch.device) -> None:
-    backend = str(dist.get_backend(group)).lower()
-    if ":" in backend:  # "cpu:gloo,cuda:nccl"
-        ok = device.type in {part.split(":")[0] for part in backend.split(",")}
-    elif backend == "nccl":
-        ok = device.type == "cuda"
-    elif backend == "gloo":
-        ok = device.type == "cpu"  # gloo has no all-to-all for accelerator tensors
-    else:
-        ok = device.type != "meta"
-    if not ok:
-        raise ValueError(
-            f"u is on {device} but the process group's backend is {backend!r}; move u to a device the backend "
-            "handles (nccl: cuda, gloo: cpu), or initialize with backend='cpu:gloo,cuda:nccl'."
-        )
-
-
-# ------------------------------------------------------------------------------------------- plumbing
-class Done:
-    """The completed 'work' of a collective on a group of one rank."""
-
-    def wait(self) -> bool:
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        fut = torch.futures.Future()
-        fut.set_result(None)
-        return fut
-
-
-DONE = Done()
-
-
-class Wire:
-    """Collectives on a topology's groups (``"world"``, ``"intra"``, ``"inter"``), counted into ``stats``."""
-
-    def __init__(self, topo: Topology, stats: CommStats | None):
-        self.topo, self.stats = topo, stats
-
-    def _scope(self, scope: str):
-        t = self.topo
-        if scope == "world":
-            return t.world_group, t.world_size
-        if scope == "intra":
-            return t.intra_group, t.local_world_size
-        return t.inter_group, t.num_nodes
-
-    def _count(self, scope: str, size: int, per_peer: int) -> None:
-        s = self.stats
-        if s is None:
-            return
-        s.collectives += 1
-        if scope == "world":
-            lws = self.topo.local_world_size
-            s.intra_node_bytes += round((lws - 1) * per_peer)
-            s.inter_node_bytes += round((size - lws) * per_peer)
-        elif scope == "intra":
-            s.intra_node_bytes += round((size - 1) * per_peer)
-        else:
-            s.inter_node_bytes += round((size - 1) * per_peer)
-
-    def all_gather(self, inp: torch.Tensor, scope: str):
-        """Start an all-gather of ``inp``: ``(out, work)``, ``out`` holding every member's ``inp`` in rank order."""
-        group, size = self._scope(scope)
-        if size == 1:
-            return inp, DONE
-        out = torch.empty(size * inp.numel(), dtype=inp.dtype, device=inp.device)
-        self._count(scope, size, inp.numel() * inp.element_size())
-        return out, _all_gather(out, inp, group=group, async_op=True)
-
-    def all_to_all(self, inp: torch.Tensor, scope: str):
-        """Start an all-to-all: member ``i`` receives the ``i``-th equal slice of every member's ``inp``."""
-        group, size = self._scope(scope)
-        if size == 1:
-            return inp, DONE
-        out = torch.empty_like(inp)
-        self._count(scope, size, inp.numel() * inp.element_size() // size)
-        return out, dist.all_to_all_single(out, inp, group=group, async_op=True)
-
-    def all_reduce_sum(self, buf: torch.Tensor, scope: str, per_peer: float):
-        """Start an in-place sum all-reduce of ``buf``, counted as ``per_peer`` bytes sent to each peer."""
-        group, size = self._scope(scope)
-        if size == 1:
-            return buf, DONE
-        self._count(scope, size, per_peer)
-        return buf, dist.all_reduce(buf, group=group, async_op=True)
-
-    def all_gather_sync(self, inp: torch.Tensor, scope: str) -> torch.Tensor:
-        out, work = self.all_gather(inp, scope)
-        work.wait()
-        return out
-
-    def all_to_all_sync(self, inp: torch.Tensor, scope: str) -> torch.Tensor:
-        out, work = self.all_to_all(inp, scope)
-        work.wait()
-        return out
-
-
-class Job:
-    """A communicator's call on one topology: ``start(wire)`` launches the first collective and returns
-    ``(recv, work)``; ``finish(wire, recv)`` runs the rest (blocking collectives allowed) and returns the result.
-
-    Everything that may reference the process groups (the wire, and ``start``/``finish`` with what they close
-    over) is dropped as soon as the job ends, on whatever thread that is, while the caller still holds the
-    topology: a callback's closure dies later on the backend's thread, and if it held the last reference to the
-    groups, their destructor would join that very thread ("Resource deadlock avoided", SIGABRT).
-    """
-
-    def __init__(self, wire: Wire, start: Callable, finish: Callable):
-        self.wire, self._start, self._finish = wire, start, finish
-
-    def _release(self) -> None:
-        self.wire = self._start = self._finish = None
-
-    def start(self):
-        try:
-            return self._start(self.wire)
-        except BaseException:
-            self._release()
-            raise
-
-    def finish(self, recv):
-        try:
-            return self._finish(self.wire, recv)
-        finally:
-            self._release()
-
-    def run(self, after: torch.futures.Future | None = None):
-        """Wait for ``after`` (re-raising its failure), then the whole job, synchronously."""
-        try:
-            if after is not None:
-                after.wait()
-            recv, work = self.start()
-            work.wait()
-        except BaseException:
-            self._release()
-            raise
-        return self.finish(recv)
-
-
-# Calls on one Topology run their collectives in call order, on every rank: a pending async call's
-# successor starts only when it has finished. (On gloo, callbacks run on the backend's threads; two
-# jobs interleaving their collectives in different orders on different ranks would mix them up.)
-class _Queue:
-    __slots__ = ("lock", "tail")
-
-    def __init__(self):
-        self.lock, self.tail = threading.Lock(), None
-
-
-_QUEUES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_QUEUES_LOCK = threading.Lock()
-
-
-def _queue(topo: Topology) -> _Queue:
-    with _QUEUES_LOCK:
-        q = _QUEUES.get(topo)
-        if q is None:
-            q = _QUEUES[topo] = _Queue()
-        return q
-
-
-def launch_in_order(topology: Topology, job: Job, *, async_op: bool = True):
-    """Run ``job`` after every earlier call on ``topology``; a Future of its result (``async_op``) or the result."""
-    topology._check_open()
-    queue = _queue(topology)
-    if not async_op:
-        with queue.lock:
-            tail = queue.tail
-        return job.run(tail if tail is not None and not tail.done() else None)
-    with queue.lock:
-        tail = queue.tail
-        if tail is None or tail.done():
-            recv, work = job.start()
-            fut = then(work.get_future(), lambda f: (f.wait(), job.finish(recv))[1])
-        else:
-            fut = then(tail, job.run)  # job.run re-raises a failure of the calls before it
-        queue.tail = fut
-    return fut
-
-
-# ------------------------------------------------------------------------------------ agreement across ranks
-# Ranks that call onebit_all_reduce with different sizes or methods would launch collectives that do not match:
-# gloo aborts a rank or returns garbage, NCCL hangs until the process-group timeout. The first call with a new
-# signature therefore exchanges it (one all-gather of a few int64) and every rank raises the same ValueError if
-# they differ; later calls with that signature only look it up in a small per-group cache.
-_SIGNATURE = ("numel", "method", "inter_method", "chunk_numel", "dtype", "num_nodes", "local_world_size")
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_AGREED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # world group -> signatures agreed (LRU)
-_AGREED_LOCK = threading.Lock()
-_AGREED_MAX = 1024  # signatures remembered per group (every rank forgets the same ones: the same call sequence)
-
-
-def _signature(topo: Topology, numel: int, method: str, inter_method: str, step: int, dtype) -> tuple[int, ...]:
-    # step: the elements per round when chunked, 0 for one round
-    return (
-        numel,
-        METHODS.index(method),
-        INTER_METHODS.index(inter_method),
-        step,
-        _DTYPES.index(dtype) if dtype in _DTYPES else -1,
-        topo.num_nodes,
-        topo.local_world_size,
-    )
-
-
-def _claim(topo: Topology, signature: tuple) -> bool:
-    """Whether this call must check ``signature`` with the other ranks: ``True`` on its first use on the topology's
-    world group, which also records it (decided at call time, so every rank decides alike whatever the timing)."""
-    if topo.world_size == 1:
-        return False
-    with _AGREED_LOCK:
-        seen = _AGREED.get(topo.world_group)
-        if seen is None:
-            seen = _AGREED[topo.world_group] = OrderedDict()
-        if signature in seen:
-            seen.move_to_end(signature)
-            return False
-        seen[signature] = None
-        if len(seen) > _AGREED_MAX:
-            seen.popitem(last=False)
-        return True
-
-
-def _agree(topo: Topology, signature: tuple, device: torch.device) -> None:
-    """Exchange ``signature`` with every rank of the topology; all raise the same ``ValueError`` if they differ."""
-    mine = torch.tensor(signature, dtype=torch.int64, device=device)
-    table = torch.empty(topo.world_size * mine.numel(), dtype=torch.int64, device=device)
-    _all_gather(table, mine, group=topo.world_group)
-    rows = table.view(topo.world_size, -1).tolist()
-    if all(row == rows[0] for row in rows):
-        return
-    with _AGREED_LOCK:  # not agreed after all: a later call with it checks again
-        _AGREED.get(topo.world_group, {}).pop(signature, None)
-    names = {1: METHODS, 2: INTER_METHODS, 4: tuple(str(d).replace("torch.", "") for d in _DTYPES)}
-    differ = []
-    for i, field in enumerate(_SIGNATURE):
-        values = [row[i] for row in rows]
-        if len(set(values)) > 1:
-            shown = [names[i][v] if i in names and 0 <= v < len(names[i]) else v for v in values]
-            if i == 3:
-                shown = [v if v else "None" for v in shown]
-            differ.append(f"{field}: " + ", ".join(f"rank {r} {v}" for r, v in enumerate(shown)))
-    raise ValueError(
-        "onebit_all_reduce: the ranks called it with different arguments (" + "; ".join(differ) + "), so their "
-        "collectives would not match (a rank would hang or read garbage); nothing was exchanged. Every rank must pass "
-        "u with the same number of elements and dtype, the same method, inter_method and chunk_numel, and a topology "
-        "of the same layout."
-    )
-
-
-def _effective_step(chunk_numel: int | None, align: int, padded: int) -> int:
-    # elements per round: all of them, or chunk_numel rounded down to whole bytes of every shard (at least one)
-    return padded if chunk_numel is None else max(align, int(chunk_numel) // align * align)
-
-
-def check_agreement(
-    numel: int,
-    *,
-    topology: Topology | None = None,
-    method: str = DEFAULT_METHOD,
-    inter_method: str = DEFAULT_INTER_METHOD,
-    chunk_numel: int | None = None,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
-) -> None:
-    """Check now, with every rank of ``topology``, that all will call :func:`onebit_all_reduce` with ``numel``
-    elements of ``dtype`` and the same settings; every rank raises the same ``ValueError`` otherwise.
-
-    :func:`onebit_all_reduce` does this itself on the first call with new arguments; a caller that must not change
-    any state before a failing check (``StepAllReduce``) calls it first. Collective on a new signature (one
-    all-gather of 7 int64 on ``device``); free afterwards (a cache lookup).
-    """
-    check_settings(method, inter_method, chunk_numel)
-    topo = _default_topology() if topology is None else topology
-    if not isinstance(topo, Topology):
-        raise TypeError(f"topology must be a birder_hf.Topology, got {type(topo).__name__}")
-    method = _effective_method(method, topo.local_world_size, topo.num_nodes)
-    align = _alignment(method, topo.world_size, topo.local_world_size, topo.num_nodes, inter_method)
-    padded = -(-numel // align) * align
-    step = _effective_step(chunk_numel, align, padded) if padded and chunk_numel is not None else 0
-    _check_device(topo.world_group, torch.device(device))
-    signature = _signature(topo, numel, method, inter_method, step, dtype)
-    if not _claim(topo, signature):
-        return
-
-    def start(wire):
-        _agree(topo, signature, torch.device(device))
-        return None, DONE
-
-    launch_in_order(topo, Job(Wire(topo, None), start, lambda wire, recv: None), async_op=False)
-
-
-def _default_topology() -> Topology:
-    return Topology.flat(dedicated=False)
-
-
-# ------------------------------------------------------------------------- callbacks on the backend's threads
-# A Python callback given to Future.then runs on a thread of the backend (gloo's workers, NCCL's callback thread),
-# and torch releases it there afterwards, taking the GIL to do so. The thread that waits for the Future wakes up as
-# soon as the callback has produced its value, before that release: a process that then exits can start finalizing
-# the interpreter first, and a backend thread that asks for the GIL during finalization is ended through a noexcept
-# destructor ("terminate called without an active exception": SIGABRT after a finished run). So every callback is
-# counted until torch has released it, and the process waits for the count to reach 0 before it finalizes (atexit,
-# which then destroys the process groups still alive) and before a topology's groups are destroyed (Topology.close).
-class _Callback:
-    __slots__ = ("fn", "__weakref__")
-
-    def __init__(self, fn: Callable):
-        self.fn = fn
-
-    def __call__(self, fut):
-        return self.fn(fut)
-
-
-class _LiveCallbacks:
-    def __init__(self):
-        self.cond = threading.Condition()
-        self.refs: set[weakref.ref] = set()
-        self.exit_wait_registered = False
-
-    def add(self, cb: _Callback) -> None:
-        with self.cond:
-            self.refs.add(weakref.ref(cb, self._released))
-        self.register_exit_handler()
-
-    def register_exit_handler(self) -> None:
-        # once, late: after torch's own handlers, so it runs before them (atexit runs the last registered first)
-        with self.cond:
-            if not self.exit_wait_registered:
-                atexit.register(_release_at_exit)
-                self.exit_wait_registered = True
-
-    def _released(self, ref: weakref.ref) -> None:  # on the thread that released the callback, holding the GIL
-        with self.cond:
-            self.refs.discard(ref)
-            self.cond.notify_all()
-
-    def wait(self, timeout: float | None) -> bool:
-        with self.cond:  # waiting releases the GIL, so the backend's threads can finish
-            return self.cond.wait_for(lambda: not self.refs, timeout)
-
-
-_LIVE = _LiveCallbacks()
-_EXIT_TIMEOUT_S = 10.0  # a finished run needs milliseconds; a peer that died must not hold up the exit for long
-
-
-def then(fut: torch.futures.Future, fn: Callable) -> torch.futures.Future:
-    """``fut.then(fn)``, with ``fn`` counted until torch has released it on the backend's thread (see above)."""
-    cb = _Callback(fn)
-    _LIVE.add(cb)
-    return fut.then(cb)
-
-
-def release_process_groups(*, barrier: bool = True, timeout: float | None = _EXIT_TIMEOUT_S) -> None:
-    """End a training script: wait for the 1-bit all-reduce's callbacks, meet the other ranks (``barrier``), then
-    destroy every process group. A group left to the interpreter's teardown is destroyed while gloo's threads may still
-    ask for the GIL: SIGABRT ("terminate called without an active exception") after a finished run, seen with plain
-    DDP under load too. The recipes call this after training; an atexit handler calls it without the barrier."""
-    if not wait_for_callbacks(timeout):
-        return
-    initialized = dist.is_available() and dist.is_initialized()
-    if initialized and barrier:
-        dist.barrier()
-    # the topologies' own groups too, even after the user's destroy_process_group(): a hook state still holds them,
-    # and a group whose last reference goes at the interpreter's finalization joins its threads there
-    Topology.close_open()
-    if initialized:
-        dist.destroy_process_group()
-
-
-def _release_at_exit() -> None:
-    try:
-        release_process_groups(barrier=False)  # at exit a peer may be gone: no barrier
-    except Exception:  # noqa: BLE001  (exiting anyway: never turn a finished run into a failed one)
-        pass
-
-
-def wait_for_callbacks(timeout: float | None = None) -> bool:
-    """Wait until every callback that :func:`then` gave to a Future has run and been released (``timeout`` in
-    seconds; ``None``: no limit). Returns ``False`` on timeout, with a warning: a callback still waits for a peer."""
-    if _LIVE.wait(timeout):
-        return True
-    warnings.warn(
-        f"birder_hf: {len(_LIVE.refs)} callback(s) of the 1-bit all-reduce still wait for a collective after "
-        f"{timeout} s (a peer rank failed or has not joined); the process may abort when it exits.",
-        RuntimeWarning,
-        stacklevel=2,
-    )
-    return False
-
-
-# ------------------------------------------------------------------------------------ the 1-bit all-reduce
 def _count_planes(rows: torch.Tensor) -> torch.Tensor:
     """The vote counts of ``m`` packed rows ``(m, P)``, as ``m.bit_length()`` packed binary digits ``(B, P)``.
 
@@ -634,27 +103,13 @@ def _count_planes(rows: torch.Tensor) -> torch.Tensor:
 
 
 class _Plan:
-    """One ``onebit_all_reduce`` call: this rank's packed votes and where ``d`` goes, chunk by chunk."""
+    """One ``onebit_all_reduce`` call: this rank's packed votes and where ``d`` goes, chunk by chunk. One subclass
+    per method: ``start`` runs stage 1 of elements ``[c0, c1)`` (the exchange of this rank's votes), ``finish`` the
+    stages after it."""
 
-    def __init__(self, topo: Topology, method: str, inter_method: str, keys: BitKeys, packed, out):
-        self.topo, self.method, self.inter_method = topo, method, inter_method
+    def __init__(self, topo: Topology, inter_method: str, keys: BitKeys, packed, out):
+        self.topo, self.inter_method = topo, inter_method
         self.keys, self.packed, self.out = keys, packed, out
-
-    def start(self, wire: Wire, c0: int, c1: int):
-        """Stage 1 of elements ``[c0, c1)``: the exchange of this rank's votes."""
-        send = self.packed[c0 // 8 : c1 // 8]
-        if self.method == "allgather":
-            return wire.all_gather(send, "world")
-        return wire.all_to_all(send, "world" if self.method == "scatter_gather" else "intra")
-
-    def finish(self, wire: Wire, c0: int, c1: int, recv: torch.Tensor) -> None:
-        """The stages after the first, for elements ``[c0, c1)``."""
-        if self.method == "allgather":
-            self._write(c0, c1, recv.view(self.topo.world_size, -1))
-        elif self.method == "scatter_gather":
-            self._finish_scatter_gather(wire, c0, c1, recv)
-        else:
-            self._finish_hierarchical(wire, c0, c1, recv)
 
     def _write(self, c0: int, c1: int, rows: torch.Tensor) -> None:
         # the exact mean of the votes in rows (m, P) for elements [c0, c1) (m = 1: the +-1 bits themselves)
@@ -669,14 +124,73 @@ class _Plan:
             lo = min(c0 + i * shard, self.out.numel())
             digits_mean_(self.out[lo : min(lo + shard, self.out.numel())], block, m)
 
-    def _finish_scatter_gather(self, wire, c0, c1, recv):
+
+class _AllGather(_Plan):
+    name = "allgather"
+
+    @staticmethod
+    def alignment(n: int, lws: int, k: int, inter_method: str) -> int:
+        return 8  # elements per chunk must split into whole bytes for every shard of every stage
+
+    @staticmethod
+    def sent(d: int, n: int, lws: int, k: int, inter_method: str) -> tuple[int, int]:
+        return (lws - 1) * (d // 8), (n - lws) * (d // 8)  # (intra, inter) bytes for d (padded) elements
+
+    def start(self, wire: Wire, c0: int, c1: int):
+        return wire.all_gather(self.packed[c0 // 8 : c1 // 8], "world")
+
+    def finish(self, wire: Wire, c0: int, c1: int, recv: torch.Tensor) -> None:
+        self._write(c0, c1, recv.view(self.topo.world_size, -1))
+
+
+class _ScatterGather(_Plan):
+    name = "scatter_gather"
+
+    @staticmethod
+    def alignment(n: int, lws: int, k: int, inter_method: str) -> int:
+        return 8 * n
+
+    @staticmethod
+    def sent(d: int, n: int, lws: int, k: int, inter_method: str) -> tuple[int, int]:
+        per_peer = 2 * d // (8 * n)
+        return (lws - 1) * per_peer, (n - lws) * per_peer
+
+    def start(self, wire: Wire, c0: int, c1: int):
+        return wire.all_to_all(self.packed[c0 // 8 : c1 // 8], "world")
+
+    def finish(self, wire: Wire, c0: int, c1: int, recv: torch.Tensor) -> None:
         n, r = self.topo.world_size, self.topo.rank
         shard = (c1 - c0) // n
         # average the n votes of my shard, re-quantize it (one draw, made on this rank only), share the bits
         bits = self.keys.requantize_pack(recv.view(n, -1), c0 + r * shard, STAGE_SHARD, 0) if n > 1 else recv
         self._write(c0, c1, wire.all_gather_sync(bits, "world").view(1, -1))
 
-    def _finish_hierarchical(self, wire, c0, c1, recv):
+
+class _Hierarchical(_Plan):
+    name = "hierarchical"
+
+    @staticmethod
+    def alignment(n: int, lws: int, k: int, inter_method: str) -> int:
+        return 8 * lws * (k if inter_method == "scatter_gather" else 1)
+
+    @staticmethod
+    def sent(d: int, n: int, lws: int, k: int, inter_method: str) -> tuple[int, int]:
+        shard = d // lws  # elements per node shard
+        intra = (lws - 1) * shard // 8  # step 1: all-to-all of the votes
+        if k == 1:  # one node: the exact vote counts of L votes, bit_length(L) bits per element
+            inter, step4 = 0, lws.bit_length() * shard // 8
+        elif inter_method == "allgather":
+            inter = (k - 1) * shard // 8
+            step4 = k.bit_length() * shard // 8  # the vote counts' binary digits
+        else:
+            inter = 2 * (k - 1) * (shard // k) // 8
+            step4 = shard // 8
+        return intra + (lws - 1) * step4, inter
+
+    def start(self, wire: Wire, c0: int, c1: int):
+        return wire.all_to_all(self.packed[c0 // 8 : c1 // 8], "intra")
+
+    def finish(self, wire: Wire, c0: int, c1: int, recv: torch.Tensor) -> None:
         t = self.topo
         lws, k, j, g = t.local_world_size, t.num_nodes, t.local_rank, t.node_rank
         shard = (c1 - c0) // lws
@@ -709,6 +223,96 @@ class _Plan:
             self._write(c0, c1, wire.all_gather_sync(shard_bits, "intra").view(1, -1))
 
 
+_PLANS = {plan.name: plan for plan in (_AllGather, _ScatterGather, _Hierarchical)}
+
+
+def _plan_for(method: str, lws: int, k: int) -> type[_Plan]:
+    # One node: hierarchical gives the exact vote mean, as allgather does (bit for bit). Sharing the vote counts
+    # costs (L-1)/L·d/8·(1 + bit_length(L)) bytes against allgather's (L-1)·d/8: fewer only from L = 5 ranks on.
+    if method == "hierarchical" and k == 1 and 1 + lws.bit_length() >= lws:
+        return _AllGather
+    return _PLANS[method]
+
+
+def _layout(topo: Topology, numel: int, settings: CommSettings):
+    """A call's plan class, its padded length, its elements per round and its signature's chunking field (the
+    elements per round when chunked and not empty, else 0)."""
+    plan = _plan_for(settings.method, topo.local_world_size, topo.num_nodes)
+    align = plan.alignment(topo.world_size, topo.local_world_size, topo.num_nodes, settings.inter_method)
+    padded = -(-numel // align) * align
+    if settings.chunk_numel is None or not padded:
+        return plan, padded, padded, 0
+    step = max(align, int(settings.chunk_numel) // align * align)  # whole bytes of every shard, at least one
+    return plan, padded, step, step
+
+
+def expected_bytes(method: str, numel: int, topology, *, inter_method: str = DEFAULT_INTER_METHOD) -> dict[str, int]:
+    """Bytes one rank sends for ``numel`` elements, made exact for padding.
+
+    ``topology`` is a :class:`Topology` or a ``(num_nodes, local_world_size)`` tuple. Returns
+    ``intra_node_bytes``, ``inter_node_bytes`` and ``fp32_allreduce_bytes`` (same accounting as
+    :class:`CommStats`; independent of ``chunk_numel``). With ``d = numel`` (padded), ``n`` ranks,
+    ``k`` nodes of ``L``:
+
+    - allgather: ``(n-1)·d/8`` (intra ``(L-1)·d/8``, inter ``(n-L)·d/8``);
+    - scatter_gather: ``2(n-1)/n·d/8`` split the same way;
+    - hierarchical: inter ``(k-1)·d/(8L)`` (``inter_method="allgather"``) or ``2(k-1)/k·d/(8L)``
+      (``"scatter_gather"``); intra ``(L-1)/L·d/8`` (step 1) plus step 4: ``(L-1)/L·d/8`` for the ±1
+      bits (scatter_gather), ``bit_length(k)`` times that for the vote counts (allgather); on one node
+      (``k = 1``) the exact mean of the ``L`` votes: as allgather for ``L <= 4``, else step 4 shares their
+      counts, ``bit_length(L)`` times ``(L-1)/L·d/8``.
+    """
+    settings = check_settings(method, inter_method)
+    if isinstance(topology, tuple):
+        k, lws = topology
+        n = k * lws
+    else:
+        n, lws, k = topology.world_size, topology.local_world_size, topology.num_nodes
+    plan = _plan_for(settings.method, lws, k)
+    align = plan.alignment(n, lws, k, settings.inter_method)
+    intra, inter = plan.sent(-(-numel // align) * align, n, lws, k, settings.inter_method)
+    fp32 = fp32_allreduce_bytes(numel, n)
+    return {"intra_node_bytes": intra, "inter_node_bytes": inter, "fp32_allreduce_bytes": fp32}
+
+
+def check_agreement(
+    numel: int,
+    *,
+    topology: Topology | None = None,
+    method: str | CommSettings = DEFAULT_METHOD,
+    inter_method: str = DEFAULT_INTER_METHOD,
+    chunk_numel: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> None:
+    """Check now, with every rank of ``topology``, that all will call :func:`onebit_all_reduce` with ``numel``
+    elements of ``dtype`` and the same settings; every rank raises the same ``ValueError`` otherwise.
+
+    :func:`onebit_all_reduce` does this itself on the first call with new arguments; a caller that must not change
+    any state before a failing check (``StepAllReduce``) calls it first. Collective on a new signature (one
+    all-gather of 7 int64 on ``device``); free afterwards (a cache lookup).
+    """
+    settings = check_settings(method, inter_method, chunk_numel)
+    topo = _default_topology() if topology is None else topology
+    if not isinstance(topo, Topology):
+        raise TypeError(f"topology must be a birder_hf.Topology, got {type(topo).__name__}")
+    plan, _, _, chunked = _layout(topo, numel, settings)
+    check_device(topo.world_group, torch.device(device))
+    signature = signature_of(topo, numel, plan.name, settings.inter_method, chunked, dtype)
+    if not claim(topo, signature):
+        return
+
+    def start(wire):
+        agree(topo, signature, torch.device(device))
+        return None, DONE
+
+    launch_in_order(topo, Job(Wire(topo, None), start, lambda wire, recv: None), async_op=False)
+
+
+def _default_topology() -> Topology:
+    return Topology.flat(dedicated=False)
+
+
 def _as_keys(keys, numel: int) -> BitKeys:
     if isinstance(keys, BitKeys):
         if keys.numel != numel:
@@ -729,7 +333,7 @@ def onebit_all_reduce(
     u: torch.Tensor,
     *,
     topology: Topology | None = None,
-    method: str = DEFAULT_METHOD,
+    method: str | CommSettings = DEFAULT_METHOD,
     inter_method: str = DEFAULT_INTER_METHOD,
     keys: BitKeys | int | None = None,
     async_op: bool = False,
@@ -755,7 +359,8 @@ def onebit_all_reduce(
             default) also keeps them apart from other collectives, such as DDP's own.
         method (`str`, *optional*, defaults to `"hierarchical"`): ``"allgather"`` (``d`` = exact mean of the
             n votes, multiples of ``1/n``), ``"scatter_gather"`` (``d`` in ``{-1, +1}``) or
-            ``"hierarchical"`` (intra-node exact vote exchange, 1 bit across nodes).
+            ``"hierarchical"`` (intra-node exact vote exchange, 1 bit across nodes); or a :class:`CommSettings`,
+            all three settings already checked (then leave ``inter_method`` and ``chunk_numel`` unset).
         inter_method (`str`, *optional*, defaults to `"allgather"`): hierarchical only: the inter-node
             exchange; ``"allgather"`` gives ``d`` = exact mean of the k node bits, ``"scatter_gather"``
             ``d`` in ``{-1, +1}`` (less inter-node traffic when k > 2).
@@ -794,17 +399,16 @@ def onebit_all_reduce(
             stacklevel=2,
         )
         keys = generator
-    check_settings(method, inter_method, chunk_numel)
+    settings = check_settings(method, inter_method, chunk_numel)
     if not isinstance(u, torch.Tensor) or not u.is_floating_point():
         raise TypeError(f"u must be a floating-point tensor (fp16/bf16/fp32/fp64), got {getattr(u, 'dtype', u)}")
     topo = _default_topology() if topology is None else topology
     if not isinstance(topo, Topology):
         raise TypeError(f"topology must be a birder_hf.Topology, got {type(topo).__name__}")
-    topo._check_open()
-    _check_device(topo.world_group, u.device)
+    topo.check_open()
+    check_device(topo.world_group, u.device)
     flat, shape = u.detach().reshape(-1), u.shape
     numel, n = flat.numel(), topo.world_size
-    method = _effective_method(method, topo.local_world_size, topo.num_nodes)
     keys = _as_keys(keys, numel)
     if out is None:
         out = torch.empty(shape, dtype=u.dtype, device=u.device)
@@ -814,12 +418,10 @@ def onebit_all_reduce(
             f"{out.numel()} elements of {out.dtype} on {out.device}{'' if out.is_contiguous() else ', non-contiguous'}"
         )
     result, out = out, out.detach().view(-1)
-    align = _alignment(method, n, topo.local_world_size, topo.num_nodes, inter_method)
-    padded = -(-numel // align) * align
-    step = _effective_step(chunk_numel, align, padded) if padded else 0
+    plan_class, padded, step, chunked = _layout(topo, numel, settings)
     # the first call with these arguments checks that every rank passed the same (then a cache lookup)
-    signature = _signature(topo, numel, method, inter_method, step if chunk_numel is not None else 0, u.dtype)
-    check = _claim(topo, signature)
+    signature = signature_of(topo, numel, plan_class.name, settings.inter_method, chunked, u.dtype)
+    check = claim(topo, signature)
     if stats is not None:
         stats.calls += 1
         stats.fp32_allreduce_bytes += fp32_allreduce_bytes(numel, n)
@@ -840,11 +442,11 @@ def onebit_all_reduce(
     if packed.numel() * 8 != padded:
         packed = torch.cat([packed, packed.new_zeros(padded // 8 - packed.numel())])
     chunks = [(c0, min(c0 + step, padded)) for c0 in range(0, padded, step)] if padded else []
-    plan = _Plan(topo, method, inter_method, keys, packed, out)
+    plan = plan_class(topo, settings.inter_method, keys, packed, out)
 
     def start(wire):
         if check:
-            _agree(topo, signature, u.device)
+            agree(topo, signature, u.device)
         if not chunks:
             return None, DONE
         return plan.start(wire, *chunks[0])

@@ -21,19 +21,11 @@ import torch
 import torch.distributed as dist
 
 from .base import Communicator, OneBitOptimizer, Update, all_finite, local_tensor, state_dtype
-from .collectives import (
-    DEFAULT_INTER_METHOD,
-    DEFAULT_METHOD,
-    CommStats,
-    Job,
-    Wire,
-    check_agreement,
-    check_settings,
-    launch_in_order,
-    onebit_all_reduce,
-    then,
-)
+from .collectives import check_agreement, onebit_all_reduce
+from .lifecycle import then
+from .settings import DEFAULT_METHOD, CommSettings, check_settings
 from .topology import Topology
+from .wire import CommStats, Job, Wire, launch_in_order
 
 __all__ = [
     "HookState",
@@ -208,7 +200,7 @@ class Staged(NamedTuple):
 
 
 class BucketGrad(NamedTuple):
-    """One parameter of a DDP bucket, as the hooks see it (:meth:`HookState._begin_bucket`)."""
+    """One parameter of a DDP bucket, as the hooks see it (:meth:`HookState.begin_bucket`)."""
 
     param: torch.Tensor
     grad: torch.Tensor  # the bucket's view of its gradient, in the order DDP filled it
@@ -220,8 +212,8 @@ class BucketGrad(NamedTuple):
 class HookState(Communicator):
     """Base of the DDP communication hooks' states (see the module docstring).
 
-    Subclasses set ``optimizer_class`` and ``hook_name``, call :meth:`_begin_bucket` first and :meth:`_end_bucket`
-    last in the hook, and consume :meth:`finish_step`'s result in their optimizer's ``step()``.
+    Subclasses set ``optimizer_class`` and ``hook_name``, call :meth:`begin_bucket` first and :meth:`end_bucket`
+    last in the hook, and turn :meth:`take_staged` into what their optimizer's ``step()`` applies (``finish_step``).
 
     Non-finite gradients: every bucket's gradient is checked; with the last bucket of a backward the ranks agree (one
     tiny all-reduce) whether any rank had a non-finite value, and if one had, the last bucket's direction is NaN on
@@ -229,7 +221,7 @@ class HookState(Communicator):
     what ``torch.amp.GradScaler`` looks for; ``step()`` skips everywhere, and ``m``, ``b`` and the parameters stay as
     they were (the hook staged the new state; only ``step()`` commits it). With ``skip_unused``, the same all-reduce
     also says which parameters no rank computed a gradient for (4 more bytes per parameter): they are not stepped,
-    as with a gradient of None. Hooks that are not DDP's (FSDP's) agree in ``finish_step`` instead, over
+    as with a gradient of None. Hooks that are not DDP's (FSDP's) agree in ``take_staged`` instead, over
     ``agree_group``.
 
     fp16 loss scaling: after the hook ``.grad`` holds the direction, which ``GradScaler`` must not un-scale, so the
@@ -247,7 +239,7 @@ class HookState(Communicator):
     optimizer_class: type = OneBitOptimizer
     hook_name = "the hook"
     loss_scale_invariant = True  # whether the hook may encode loss-scaled gradients (fp16 with a GradScaler)
-    # skip a parameter no rank computed a gradient for, as a gradient of None does (see finish_step)
+    # skip a parameter no rank computed a gradient for, as a gradient of None does (see take_staged)
     skip_unused: bool = False
     wrapped_name = "the DDP model"  # what every parameter with a gradient must belong to (error messages)
 
@@ -260,7 +252,7 @@ class HookState(Communicator):
         # per-step buffers
         "_pending",
         "_flags",
-        "_step_stats",
+        "step_stats",
         "_verdict",
         "_marks",  # the parameters that got a gradient on this rank since the last step (UsageMarks)
         "_skipping",  # this step's agreed verdict was non-finite, and the step is dropped (a GradScaler skips it)
@@ -324,7 +316,7 @@ class HookState(Communicator):
         # used, per parameter in the optimizer's order]
         self._verdict: torch.Tensor | None = None
         self._layouts: dict[torch.Tensor, tuple] = {}  # param -> (where, filled strided, read back through .grad)
-        self.stats, self.last_step_stats, self._step_stats = CommStats(), CommStats(), CommStats()
+        self.stats, self.last_step_stats, self.step_stats = CommStats(), CommStats(), CommStats()
         self.steps_communicated = self.skipped_steps = 0
         self._marks = UsageMarks()
         self.attach(optimizer)
@@ -359,7 +351,7 @@ class HookState(Communicator):
         if topology is not None and not isinstance(topology, Topology):
             raise TypeError(f"topology must be a birder_hf.Topology, got {type(topology).__name__}.")
         if topology is not None:
-            topology._check_open()
+            topology.check_open()
 
     def _settings(self, optimizer, layout: tuple[int, int]) -> dict:
         """What every rank's hook state must share (:func:`communicator_settings`): its own settings, the layout, the
@@ -371,12 +363,18 @@ class HookState(Communicator):
         """The ranks that agree a step is finite: the topology's (DDP), or every rank of the mesh (FSDP)."""
         return self.topology.world_group if self._agree_group is None else self._agree_group
 
-    def _abort_bucket(self, params: list[torch.Tensor]) -> None:
+    def abort_bucket(self, params: list[torch.Tensor]) -> None:
         """Forget what the current bucket staged (its hook failed): the next backward starts clean."""
         for p in params:
             self._pending.pop(p, None)
         if self.check_finite and self._flags:
-            self._flags.pop()  # the bucket's flag: the last one _begin_bucket appended
+            self._flags.pop()  # the bucket's flag: the last one begin_bucket appended
+
+    def metrics(self) -> dict[str, float]:
+        """What an integration logs after a step: the bytes sent and the skipped steps, under the optimizer's
+        ``metrics_prefix``."""
+        prefix = self.optimizer.metrics_prefix
+        return {**self.stats.as_dict(prefix), prefix + "skipped_steps": self.skipped_steps}
 
     @property
     def description(self) -> str:
@@ -404,10 +402,10 @@ class HookState(Communicator):
         self.topology.close()
 
     # ------------------------------------------------------------------------------------------ buckets
-    def _begin_bucket(self, bucket) -> list[BucketGrad]:
+    def begin_bucket(self, bucket) -> list[BucketGrad]:
         """The bucket's parameters with their gradients and groups, checked (:class:`BucketGrad`); counts the bucket's
         finite flag. Drops the state staged by a backward whose step a ``GradScaler`` skipped."""
-        self._begin_backward()
+        self.begin_backward()
         opt, buffer = self.optimizer, bucket.buffer()
         items, offset = [], 0
         for p in bucket.parameters():
@@ -427,7 +425,7 @@ class HookState(Communicator):
             items.append(self._bucket_grad(bucket.index(), buffer, p, group, offset))
             offset += p.numel()
         if self.check_finite:
-            self._flag_nonfinite(buffer)
+            self.flag_nonfinite(buffer)
             if self.skip_unused:  # a parameter added since: watched from now on, counted as used this step
                 new = [b.param for b in items if b.param not in self._marks.watched]
                 self._watch(new)
@@ -435,10 +433,10 @@ class HookState(Communicator):
         self._verdict = None
         return items
 
-    def _begin_backward(self) -> None:
+    def begin_backward(self) -> None:
         """Called as each bucket (unit) of a backward begins: drops the state staged by a backward whose step was
         skipped without ``step()`` (a ``GradScaler`` skipped the call)."""
-        self.topology._check_open()
+        self.topology.check_open()
         self._skipping = False
         if self._pending and self._bad_verdict():
             self._skip()  # nobody asked: step() was not called after the last backward's non-finite verdict
@@ -451,7 +449,7 @@ class HookState(Communicator):
             self._scale = grad_scaler_scale(self.grad_scaler)
         return self._scale
 
-    def _flag_nonfinite(self, t: torch.Tensor) -> None:
+    def flag_nonfinite(self, t: torch.Tensor) -> None:
         """Record (on ``t``'s device, no host sync) whether ``t`` holds a non-finite value; agreed later."""
         self._flags.append(_nonfinite_flag(t))
 
@@ -472,7 +470,7 @@ class HookState(Communicator):
     def _bad_verdict(self) -> bool:
         return self._verdict is not None and self._verdict[0].item() != 0
 
-    def _end_bucket(self, bucket, fut: torch.futures.Future) -> torch.futures.Future:
+    def end_bucket(self, bucket, fut: torch.futures.Future) -> torch.futures.Future:
         """The Future to hand to DDP for ``bucket``: ``fut``, and after the last bucket the ranks' agreement on
         non-finite gradients (a NaN direction on every rank if any rank had one; see the class docstring)."""
         if not (self.check_finite and bucket.is_last()):
@@ -523,7 +521,7 @@ class HookState(Communicator):
         fill = strided if fill_strided else plain
         return BucketGrad(p, fill, group, offset, fill if through_grad else strided)
 
-    def _stage(self, p: torch.Tensor, group: dict, record) -> None:
+    def stage(self, p: torch.Tensor, group: dict, record) -> None:
         self._pending[p] = Staged(group, record)
 
     # --------------------------------------------------------------------------------------------- steps
@@ -590,7 +588,7 @@ class HookState(Communicator):
         pending, self._pending, self._flags = self._pending, {}, []
         self._scale = None
         self._marks.clear()
-        step_stats, self._step_stats = self._step_stats, CommStats()
+        step_stats, self.step_stats = self.step_stats, CommStats()
         self.stats += step_stats
         self.last_step_stats = step_stats
         return pending
@@ -605,9 +603,9 @@ class HookState(Communicator):
             stacklevel=4,
         )
 
-    def finish_step(self) -> dict[torch.Tensor, Staged] | None:
-        """Called by ``optimizer.step()``: hand over what the hook staged, or ``None`` when a rank had a non-finite
-        gradient (every rank skips), and close the step's statistics."""
+    def take_staged(self) -> dict[torch.Tensor, Staged] | None:
+        """What the hook staged this step (each subclass's ``finish_step`` turns it into what its optimizer applies),
+        or ``None`` when a rank had a non-finite gradient (every rank skips); closes the step's statistics."""
         if self._skipping:  # amp_scaling dropped this step already (non-finite on a rank)
             self._skipping = False
             return None
@@ -670,11 +668,9 @@ class StepAllReduce(Communicator):
     concatenated ``u`` of those parameters.
 
     Args:
+        settings (`CommSettings`): the ``onebit_all_reduce`` settings (what :meth:`agree_on_setup` returns).
         topology (`Topology`, *optional*): the ranks and their nodes; default ``Topology.flat(process_group)``.
         process_group (`ProcessGroup`, *optional*): the ranks, when no ``topology`` is given.
-        method (`str`, *optional*, defaults to `"hierarchical"`): the ``onebit_all_reduce`` method.
-        inter_method (`str`, *optional*, defaults to `"allgather"`): hierarchical only.
-        chunk_numel (`int`, *optional*): bound on the elements per collective.
         agree_group (`ProcessGroup`, *optional*): the ranks that agree on skipped steps and used parameters (default:
             the topology's); sharded parameters need every rank of the mesh (``birder_hf.fsdp`` passes it).
         usage (`UsageMarks`, *optional*): which parameters this rank used (``birder_hf.fsdp`` watches FSDP's unsharded
@@ -692,22 +688,21 @@ class StepAllReduce(Communicator):
 
     def __init__(
         self,
+        settings: CommSettings,
         *,
         topology: Topology | None = None,
         process_group=None,
-        method: str | None = None,
-        inter_method: str = DEFAULT_INTER_METHOD,
-        chunk_numel: int | None = None,
         agree_group=None,
         usage: UsageMarks | None = None,
     ):
-        method = DEFAULT_METHOD if method is None else method
-        check_settings(method, inter_method, chunk_numel)
+        if not isinstance(settings, CommSettings):
+            raise TypeError(f"settings must be a CommSettings (agree_on_setup returns it), got {settings!r}")
+        self.comm_settings = settings
         if topology is None:
             topology = Topology.flat(process_group)
         elif not isinstance(topology, Topology):
             raise TypeError(f"topology must be a birder_hf.Topology, got {type(topology).__name__}.")
-        self.topology, self.method, self.inter_method, self.chunk_numel = topology, method, inter_method, chunk_numel
+        self.topology = topology
         self._agree_group = agree_group  # None: the topology's world group (not held here: the exit handler frees it)
         self.usage = usage
         self.stats = CommStats()
@@ -743,30 +738,27 @@ class StepAllReduce(Communicator):
     @staticmethod
     def agree_on_setup(
         optimizer,
+        method: str | CommSettings | None = None,
         *,
         topology: Topology | None = None,
         process_group=None,
-        method: str | None = None,
-        inter_method: str = DEFAULT_INTER_METHOD,
-        chunk_numel: int | None = None,
         agree_group=None,
         error: Exception | None = None,
         what: str = "Birder(process_group=...)",
-    ) -> None:
+    ) -> CommSettings:
         """Agree, with every rank, on the settings of the ``StepAllReduce`` about to be built for ``optimizer``
         (:func:`agree_setup`: the optimizer's parameters and settings, the layout and the all-reduce settings), or on
         ``error``, this rank's own failure, which every rank then raises. Collective over ``agree_group``, else the
         topology's group, else ``process_group``, else the default group; call it before building the topology (its
-        groups are collectives the other ranks would wait in)."""
-        method = DEFAULT_METHOD if method is None else method
-        settings = None
+        groups are collectives the other ranks would wait in). Returns the checked settings, to build it with."""
+        settings = comm = None
         if error is None:
             try:
-                check_settings(method, inter_method, chunk_numel)
+                comm = check_settings(DEFAULT_METHOD if method is None else method)
                 if topology is not None:
                     if not isinstance(topology, Topology):
                         raise TypeError(f"topology must be a birder_hf.Topology, got {type(topology).__name__}.")
-                    topology._check_open()
+                    topology.check_open()
                     layout = (topology.num_nodes, topology.local_world_size)
                 else:
                     if process_group is getattr(dist.GroupMember, "NON_GROUP_MEMBER", object()):
@@ -780,8 +772,7 @@ class StepAllReduce(Communicator):
                             f"{type(process_group).__name__}."
                         )
                     layout = (1, dist.get_world_size(process_group))
-                own = dict(method=method, inter_method=inter_method, chunk_numel=chunk_numel)
-                settings = communicator_settings("StepAllReduce", optimizer, layout, **own)
+                settings = communicator_settings("StepAllReduce", optimizer, layout, **comm.as_dict())
             except Exception as exc:
                 error = exc
         agree_setup(
@@ -792,6 +783,7 @@ class StepAllReduce(Communicator):
             fix=f"Every rank must build its {type(optimizer).__name__} with the same parameters and settings, and the "
             "same process_group/topology and method",
         )
+        return comm
 
     @property
     def agree_group(self):
@@ -849,9 +841,7 @@ class StepAllReduce(Communicator):
         check_agreement(
             sum(local_tensor(p).numel() for p in ordered),
             topology=self.topology,
-            method=self.method,
-            inter_method=self.inter_method,
-            chunk_numel=self.chunk_numel,
+            method=self.comm_settings,
             dtype=dtype,
             device=dev,
         )
@@ -864,10 +854,8 @@ class StepAllReduce(Communicator):
         d = onebit_all_reduce(
             flat,
             topology=self.topology,
-            method=self.method,
-            inter_method=self.inter_method,
+            method=self.comm_settings,
             keys=keys,
-            chunk_numel=self.chunk_numel,
             stats=self.stats,
             out=flat,
         )

@@ -54,11 +54,10 @@ import torch
 import torch.distributed as dist
 
 from .base import Update, is_sharded, local_tensor, shard_offset, unwrap_optimizer
-from .collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, _check_method
 from .communicators import StepAllReduce, UsageMarks
 from .hook import BirderHookState
-from .onebit_adam import OneBitAdam
-from .optim import Birder, EncodeOut
+from .optim import Birder
+from .settings import DEFAULT_INTER_METHOD, DEFAULT_METHOD, CommSettings, check_settings
 from .topology import Topology
 
 __all__ = ["register_birder_fsdp", "FSDPHookState", "fsdp_units", "hsdp_mesh", "shard_model"]
@@ -172,7 +171,7 @@ class FSDPHookState(BirderHookState):
 
     __slots__ = ("_u", "_futures", "_directions")
 
-    def __init__(self, optimizer: Birder, topology: Topology, method: str = DEFAULT_METHOD, **kwargs):
+    def __init__(self, optimizer: Birder, topology: Topology, method: str | CommSettings = DEFAULT_METHOD, **kwargs):
         self._u: dict[int, torch.Tensor] = {}  # unit index -> its u / d buffer, reused every step
         self._futures: list = []
         self._directions: dict[torch.Tensor, torch.Tensor] = {}  # param -> d of its shard (a view of a buffer)
@@ -181,7 +180,7 @@ class FSDPHookState(BirderHookState):
     @property
     def description(self) -> str:
         k = self.topology.num_nodes
-        return f"1-bit {self.method} FSDP hook across {k} node{'s' if k != 1 else ''}"
+        return f"1-bit {self.comm_settings.method} FSDP hook across {k} node{'s' if k != 1 else ''}"
 
     def _watch(self, params) -> None:
         # autograd accumulates into FSDP's unsharded parameters, not these: watch_units marks them instead
@@ -215,7 +214,7 @@ class FSDPHookState(BirderHookState):
 
     def reduce(self, index: int, unit: FSDPUnit, reduce_output: torch.Tensor) -> None:
         """The hook body for unit ``index``: encode its shard of the node-averaged gradient, start the all-reduce."""
-        self._begin_backward()
+        self.begin_backward()
         opt, layout = self.optimizer, unit.layout()
         expected = sum(n for _, n in layout)
         if reduce_output.numel() != expected:
@@ -245,27 +244,12 @@ class FSDPHookState(BirderHookState):
             offset += taken
         work = torch.float64 if reduce_output.dtype == torch.float64 else torch.float32
         u = self._unit_buffer(index, sum(g.numel() for g in grads), work, reduce_output.device)
-        steps, at = [], 0
-        by_group: dict[int, tuple[dict, list, list, list]] = {}
-        for p, g in zip(params, grads):
-            group = opt.group_of(p)
-            steps.append(int(opt.init_state(p, group)["step"]) + 1)
-            ps, gs, us = by_group.setdefault(id(group), (group, [], [], []))[1:]
-            ps.append(p)
-            gs.append(g)
-            us.append(u[at : at + g.numel()].view(g.shape))
-            self._directions[p] = us[-1]
-            at += g.numel()
-        for group, ps, gs, us in by_group.values():
-            bufs = [self._buffers(p, opt.state[p], group["amsgrad"]) for p in ps]
-            maxes = [b.max_exp_avg_abs for b in bufs] if group["amsgrad"] else None
-            staged = EncodeOut([b.exp_avg for b in bufs], [b.exp_avg_abs for b in bufs], maxes, us)
-            opt.encode(group, ps, gs, out=staged, grad_scale=self.loss_scale())
-            for p, b in zip(ps, bufs):
-                self._stage(p, group, b)
+        items = [(p, g, opt.group_of(p)) for p, g in zip(params, grads)]
+        params, us, keys = self.encode_and_stage(items, u)
+        self._directions.update(zip(params, us))
         if self.check_finite:
-            self._flag_nonfinite(u)  # u = m / b is NaN exactly where the gradient was not finite
-        self._futures.append(self._all_reduce_async(u, opt.bit_keys(params, steps)))
+            self.flag_nonfinite(u)  # u = m / b is NaN exactly where the gradient was not finite
+        self._futures.append(self._all_reduce_async(u, keys))
 
     def finish_step(self) -> list[Update] | None:
         """Wait for the exchanges, agree the step is finite, commit ``m``, ``b`` and hand ``d`` to ``step()``."""
@@ -423,13 +407,10 @@ def register_birder_fsdp(
 
     Collective: every rank calls it, in the same order as its other process-group creations.
     """
-    _check_method(method, inter_method)
+    settings = check_settings(method, inter_method, chunk_numel)
     opt = unwrap_optimizer(optimizer)
-    if isinstance(opt, OneBitAdam):
-        raise TypeError(
-            "1-bit Adam on FSDP shards is not implemented (its error feedback is per worker); use Birder, or 1-bit "
-            "Adam with DDP (attach_ddp_hook)."
-        )
+    if getattr(opt, "sharding_refusal", None):
+        raise TypeError(opt.sharding_refusal)
     if not isinstance(opt, Birder):
         raise TypeError(f"register_birder_fsdp needs a birder_hf.Birder optimizer, got {type(opt).__name__}.")
     if opt.communicator is not None:
@@ -477,9 +458,7 @@ def register_birder_fsdp(
         StepAllReduce.agree_on_setup(  # the settings every rank's communicator shares, as the hook states agree on
             opt,
             topology=topology,
-            method=method,
-            inter_method=inter_method,
-            chunk_numel=chunk_numel,
+            method=settings,
             agree_group=everyone,
             what="register_birder_fsdp",
         )
@@ -487,25 +466,11 @@ def register_birder_fsdp(
         if units is not None:
             usage = UsageMarks()
             _watch_units(units, usage)
-        communicator = StepAllReduce(
-            topology=topology,
-            method=method,
-            inter_method=inter_method,
-            chunk_numel=chunk_numel,
-            agree_group=everyone,
-            usage=usage,
-        )
+        communicator = StepAllReduce(settings, topology=topology, agree_group=everyone, usage=usage)
         communicator.attach(opt)
         return communicator
     state = FSDPHookState(
-        opt,
-        topology,
-        method,
-        inter_method=inter_method,
-        chunk_numel=chunk_numel,
-        check_finite=check_finite,
-        agree_group=everyone,
-        grad_scaler=grad_scaler,
+        opt, topology, settings, check_finite=check_finite, agree_group=everyone, grad_scaler=grad_scaler
     )
     try:
         if check_finite:

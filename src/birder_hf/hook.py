@@ -30,16 +30,16 @@ before the last; the hook then sees the accumulated local gradient once per step
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
 import math
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from .base import Update, unwrap_optimizer
-from .collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, check_settings, onebit_all_reduce, then
+from .base import OneBitOptimizer, Update, unwrap_optimizer
+from .collectives import onebit_all_reduce
 from .communicators import HookState, _is_dense, agree_setup, setup_group
-from .onebit_adam import OneBitAdam, OneBitAdamHookState, onebit_adam_hook
+from .lifecycle import then
 from .optim import Birder, EncodeOut, StateBuffers
+from .settings import DEFAULT_INTER_METHOD, DEFAULT_METHOD, CommSettings, check_settings
 from .topology import Topology
 
 __all__ = ["BirderHookState", "birder_hook", "attach_ddp_hook", "unwrap_ddp"]
@@ -76,13 +76,13 @@ class BirderHookState(HookState):
     hook_name = "birder_hook"
     skip_unused = True
 
-    __slots__ = ("method", "inter_method", "chunk_numel", "_scratch")
+    __slots__ = ("comm_settings", "_scratch")
 
     def __init__(
         self,
         optimizer: Birder,
         topology: Topology | None = None,
-        method: str = DEFAULT_METHOD,
+        method: str | CommSettings = DEFAULT_METHOD,
         *,
         inter_method: str = DEFAULT_INTER_METHOD,
         chunk_numel: int | None = None,
@@ -90,14 +90,14 @@ class BirderHookState(HookState):
         agree_group=None,
         grad_scaler=None,
     ):
-        self.method, self.inter_method, self.chunk_numel = method, inter_method, chunk_numel
+        self.comm_settings = (method, inter_method, chunk_numel)  # a CommSettings once _check_setup has checked it
         self._scratch: dict[torch.Tensor, StateBuffers] = {}  # param -> the buffers its next step writes into
         super().__init__(
             optimizer, topology, check_finite=check_finite, agree_group=agree_group, grad_scaler=grad_scaler
         )
 
     def _check_setup(self, optimizer, topology) -> None:
-        check_settings(self.method, self.inter_method, self.chunk_numel)
+        self.comm_settings = check_settings(*self.comm_settings)
         super()._check_setup(optimizer, topology)
         if not all(g["quantize"] for g in optimizer.param_groups):
             raise ValueError("quantize=False is for one process only; the 1-bit hook always sends 1 bit.")
@@ -105,14 +105,12 @@ class BirderHookState(HookState):
     def _settings(self, optimizer, layout) -> dict:
         return {
             **super()._settings(optimizer, layout),
-            "method": self.method,
-            "inter_method": self.inter_method,
-            "chunk_numel": self.chunk_numel,
+            **self.comm_settings.as_dict(),
         }
 
     @property
     def description(self) -> str:
-        return f"1-bit {self.method} hook"
+        return f"1-bit {self.comm_settings.method} hook"
 
     def buffer_bytes(self) -> int:
         """Bytes of the buffers kept between steps: the staged ``m``, ``b`` (and max ``b``) of every parameter."""
@@ -126,41 +124,58 @@ class BirderHookState(HookState):
             self._scratch[p] = bufs
         return bufs
 
+    def encode_and_stage(self, items: list[tuple[torch.Tensor, torch.Tensor, dict]], u_flat: torch.Tensor):
+        """Encode ``items`` (parameter, its gradient, its group) into consecutive views of ``u_flat`` (logical order,
+        as in ``Birder.step()``) and stage their new ``m``, ``b`` for :meth:`finish_step`. Returns the parameters, their
+        ``u`` views and the keys of their bits."""
+        opt = self.optimizer
+        params, us, steps, at = [], [], [], 0
+        by_group: dict[int, tuple[dict, list, list, list]] = {}
+        for p, g, group in items:
+            steps.append(int(opt.init_state(p, group)["step"]) + 1)
+            u = u_flat[at : at + g.numel()].view(g.shape)
+            ps, gs, vs = by_group.setdefault(id(group), (group, [], [], []))[1:]
+            ps.append(p)
+            gs.append(g)
+            vs.append(u)
+            params.append(p)
+            us.append(u)
+            at += g.numel()
+        for group, ps, gs, vs in by_group.values():
+            bufs = [self._buffers(p, opt.state[p], group["amsgrad"]) for p in ps]
+            maxes = [b.max_exp_avg_abs for b in bufs] if group["amsgrad"] else None
+            staged = EncodeOut([b.exp_avg for b in bufs], [b.exp_avg_abs for b in bufs], maxes, vs)
+            opt.encode(group, ps, gs, out=staged, grad_scale=self.loss_scale())
+            for p, b in zip(ps, bufs):
+                self.stage(p, group, b)
+        return params, us, opt.bit_keys(params, steps)
+
     def _all_reduce_async(self, u: torch.Tensor, keys) -> torch.futures.Future:
         """Start the 1-bit all-reduce of ``u`` (flat, overwritten with ``d``) with this state's settings."""
         return onebit_all_reduce(
             u,
             topology=self.topology,
-            method=self.method,
-            inter_method=self.inter_method,
+            method=self.comm_settings,
             keys=keys,
             async_op=True,
-            chunk_numel=self.chunk_numel,
-            stats=self._step_stats,
+            stats=self.step_stats,
             out=u,
         )
 
     def finish_step(self) -> list[Update] | None:
         """Agree the step is finite, commit the staged ``m``, ``b``, and hand ``d`` (in ``.grad``) to ``step()``."""
-        pending = super().finish_step()
+        pending = self.take_staged()
         if pending is None:
             return None
         opt, updates = self.optimizer, []
         for group in opt.param_groups:
-            # not those no rank computed a gradient for (a gradient of None, or found unused by finish_step)
+            # not those no rank computed a gradient for (a gradient of None, or found unused by take_staged)
             params = [p for p in group["params"] if p.grad is not None and p in pending]
             for p in params:  # the committed buffers become the next step's scratch
                 self._scratch[p] = opt.commit_state(p, pending[p].record)
             if params:
                 updates.append(Update(group, params, [p.grad for p in params]))
         return updates
-
-
-class _GroupWork(NamedTuple):
-    group: dict
-    params: list
-    grads: list
-    us: list
 
 
 def birder_hook(state: BirderHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -171,11 +186,11 @@ def birder_hook(state: BirderHookState, bucket: dist.GradBucket) -> torch.future
     """
     opt = state.optimizer
     buffer = bucket.buffer()
-    items = state._begin_bucket(bucket)
+    items = state.begin_bucket(bucket)
     try:
         return _start_bucket(state, opt, bucket, buffer, items)
     except BaseException:
-        state._abort_bucket([b.param for b in items])  # nothing of this bucket stays staged
+        state.abort_bucket([b.param for b in items])  # nothing of this bucket stays staged
         raise
 
 
@@ -184,42 +199,16 @@ def _start_bucket(state: BirderHookState, opt: Birder, bucket, buffer: torch.Ten
     opt.check_state_matches([b.param for b in items])
     u_dtype = torch.float64 if buffer.dtype == torch.float64 else torch.float32
     u_flat = torch.empty(buffer.numel(), dtype=u_dtype, device=buffer.device)
-
-    by_group: dict[int, _GroupWork] = {}
-    params, steps, offset = [], [], 0
-    strided = []  # (offset, shape, strides) of the gradients the bucket holds in another memory order
-    for p, g, group, *_ in items:
-        st = opt.init_state(p, group)
+    params, _, keys = state.encode_and_stage([(b.param, b.grad, b.group) for b in items], u_flat)
+    strided, offset = [], 0  # (offset, shape, strides) of the gradients the bucket holds in another memory order
+    for p in params:
         if _is_dense(p) and not p.is_contiguous():  # DDP reads a new result tensor with p's strides
             strided.append((offset, p.shape, p.stride()))
-        work = by_group.setdefault(id(group), _GroupWork(group, [], [], []))
-        work.params.append(p)
-        work.grads.append(g)
-        work.us.append(u_flat[offset : offset + p.numel()].view(p.shape))  # u in logical order, as in step()
-        params.append(p)
-        steps.append(int(st["step"]) + 1)
         offset += p.numel()
-
-    for group, ps, gs, us in by_group.values():
-        bufs = [state._buffers(p, opt.state[p], group["amsgrad"]) for p in ps]
-        amsgrad = group["amsgrad"]
-        staged = EncodeOut(
-            [b.exp_avg for b in bufs], [b.exp_avg_abs for b in bufs], [b.max_exp_avg_abs for b in bufs], us
-        )
-        opt.encode(
-            group,
-            ps,
-            gs,
-            out=staged if amsgrad else staged._replace(max_exp_avg_abss=None),
-            grad_scale=state.loss_scale(),
-        )
-        for p, b in zip(ps, bufs):
-            state._stage(p, group, b)
-
-    fut = state._all_reduce_async(u_flat, opt.bit_keys(params, steps))
+    fut = state._all_reduce_async(u_flat, keys)
     if buffer.dtype != u_dtype or strided:
         fut = then(fut, lambda f: _to_bucket_layout(f.value().to(buffer.dtype), strided))
-    return state._end_bucket(bucket, fut)
+    return state.end_bucket(bucket, fut)
 
 
 def _to_bucket_layout(d: torch.Tensor, strided: list) -> torch.Tensor:
@@ -270,29 +259,21 @@ def attach_ddp_hook(
     ``GradScaler`` as ``grad_scaler`` (Birder only; see :class:`BirderHookState`).
     """
     try:  # this rank's checks; a failure stops every rank together (agree_setup), as the hook states' own checks do
-        check_settings(method, inter_method, chunk_numel)
+        settings = check_settings(method, inter_method, chunk_numel)
         ddp = unwrap_ddp(model)
         opt = unwrap_optimizer(optimizer)
-        if not isinstance(opt, (Birder, OneBitAdam)):
+        if not isinstance(opt, OneBitOptimizer):
             raise TypeError(
                 f"The 1-bit hook needs a birder_hf.Birder or OneBitAdam optimizer, got {type(opt).__name__}."
             )
     except Exception as exc:
         agree_setup(setup_group(topology), None, exc, what="attach_ddp_hook")
         raise  # not reached: agree_setup raises
-    if isinstance(opt, OneBitAdam):
-        state = OneBitAdamHookState(opt, topology=topology, check_finite=check_finite, grad_scaler=grad_scaler)
-        hook = onebit_adam_hook
+    own = opt.ddp_hook(topology=topology, check_finite=check_finite, grad_scaler=grad_scaler)
+    if own is not None:  # an optimizer with its own exchange (1-bit Adam)
+        state, hook = own
     else:
-        state = BirderHookState(
-            opt,
-            topology,
-            method,
-            inter_method=inter_method,
-            chunk_numel=chunk_numel,
-            check_finite=check_finite,
-            grad_scaler=grad_scaler,
-        )
+        state = BirderHookState(opt, topology, settings, check_finite=check_finite, grad_scaler=grad_scaler)
         hook = birder_hook
     try:
         ddp.register_comm_hook(state, hook)

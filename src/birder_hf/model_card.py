@@ -10,11 +10,7 @@ from __future__ import annotations
 import os
 import re
 
-import torch
-
-from .base import unwrap_optimizer
-from .onebit_adam import OneBitAdam
-from .optim import Birder
+from .base import OneBitOptimizer, unwrap_optimizer
 
 __all__ = ["optimizer_description", "model_card_section", "fix_trainer_card", "CITATION"]
 
@@ -28,33 +24,19 @@ CITATION = """```bibtex
 ```"""
 
 
-def _configured(group: dict, name: str):
-    value = group.get("initial_" + name, group[name])
-    return float(f"{value.item():.7g}") if isinstance(value, torch.Tensor) else value  # a Tensor lr, as a number
-
-
 def optimizer_settings(optimizer, communication: dict | None = None) -> dict:
     """The optimizer's configured hyperparameters (first param group) and, for Birder, the communication settings."""
     opt = unwrap_optimizer(optimizer)
-    g = opt.param_groups[0]
-    if isinstance(opt, OneBitAdam):
-        keys = ("lr", "betas", "eps", "weight_decay", "freeze_step", "bias_correction", "scaling")
-        return {k: _configured(g, k) if k == "lr" else g[k] for k in keys}
-    if isinstance(opt, Birder):
-        keys = ("lr", "beta", "weight_decay", "amsgrad", "stale")
-        settings = {k: _configured(g, k) if k == "lr" else g[k] for k in keys}
-        settings["seed"] = opt.seed
-        return {**settings, **(communication or {})}
-    raise TypeError(f"expected a birder_hf Birder or OneBitAdam optimizer, got {type(opt).__name__}")
+    if not isinstance(opt, OneBitOptimizer):
+        raise TypeError(f"expected a birder_hf Birder or OneBitAdam optimizer, got {type(opt).__name__}")
+    return {**opt.card_settings(), **((communication or {}) if opt.takes_all_reduce_settings else {})}
 
 
 def optimizer_description(optimizer, communication: dict | None = None) -> str:
     """One line for a model card's ``- optimizer:`` entry."""
     opt = unwrap_optimizer(optimizer)
     values = ", ".join(f"{k}={v}" for k, v in optimizer_settings(opt, communication).items())
-    if isinstance(opt, OneBitAdam):
-        return f"1-bit Adam (Tang et al. ICML 2021; birder-hf OneBitAdam) with {values}"
-    return f"Birder (1-bit adaptive, Peng et al. NeurIPS 2023; birder-hf) with {values}"
+    return f"{opt.card_name} with {values}"
 
 
 def model_card_section(optimizer, communication: dict | None = None) -> str:
@@ -65,20 +47,7 @@ def model_card_section(optimizer, communication: dict | None = None) -> str:
     """
     opt = unwrap_optimizer(optimizer)
     rows = "\n".join(f"| {k} | {v} |" for k, v in optimizer_settings(opt, communication).items())
-    if isinstance(opt, OneBitAdam):
-        title = "## Trained with 1-bit Adam (birder-hf)"
-        what = (
-            "This model was trained with birder-hf's 1-bit Adam (Tang et al., ICML 2021): full-precision Adam for "
-            "`freeze_step` steps, then the momentum is exchanged as 1-bit signs with error feedback."
-        )
-    else:
-        title = "## Trained with Birder"
-        what = (
-            "This model was trained with [birder-hf](https://openreview.net/forum?id=Mlo2kM11ZB): the Birder "
-            "optimizer exchanges 1-bit quantized update directions between workers (Hierarchical-1-bit-All-Reduce); "
-            "what each method sends per step is in birder-hf's README."
-        )
-    return f"{title}\n\n{what}\n\n| setting | value |\n|---|---|\n{rows}\n\n{CITATION}\n"
+    return f"{opt.card_title}\n\n{opt.card_summary}\n\n| setting | value |\n|---|---|\n{rows}\n\n{CITATION}\n"
 
 
 def _is_hub_id(name: str) -> bool:

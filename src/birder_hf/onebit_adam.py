@@ -35,7 +35,7 @@ from .base import (
     state_dtype,
     tensor_problem,
 )
-from .collectives import Job, Wire, fp32_allreduce_bytes, launch_in_order
+from .wire import Job, Wire, fp32_allreduce_bytes, launch_in_order
 from .communicators import HookState
 from .quantize import pack_bits, unpack_bits
 from .topology import Topology
@@ -117,6 +117,20 @@ class OneBitAdam(OneBitOptimizer):
     }
     state_keys = ("step", "exp_avg", "exp_avg_sq", "worker_error", "server_error", "server_shard")
     required_state = ("step", "exp_avg", "exp_avg_sq")
+    takes_all_reduce_settings = False  # its own two-stage exchange
+    loss_scaling = False  # its hook encodes the scaled gradients, and Adam's step depends on their scale
+    sharding_refusal = (
+        "1-bit Adam on FSDP shards is not implemented (its error feedback is per worker); use Birder, or 1-bit "
+        "Adam with DDP (attach_ddp_hook)."
+    )
+    metrics_prefix = "onebit_adam/"
+    card_keys = ("lr", "betas", "eps", "weight_decay", "freeze_step", "bias_correction", "scaling")
+    card_name = "1-bit Adam (Tang et al. ICML 2021; birder-hf OneBitAdam)"
+    card_title = "## Trained with 1-bit Adam (birder-hf)"
+    card_summary = (
+        "This model was trained with birder-hf's 1-bit Adam (Tang et al., ICML 2021): full-precision Adam for "
+        "`freeze_step` steps, then the momentum is exchanged as 1-bit signs with error feedback."
+    )
     tensor_state = ("exp_avg", "exp_avg_sq", "worker_error")
 
     def __init__(
@@ -141,6 +155,10 @@ class OneBitAdam(OneBitOptimizer):
             scaling=scaling,
         )
         super().__init__(params, defaults)  # validates every setting and parameter
+
+    def ddp_hook(self, *, topology, check_finite: bool, grad_scaler):
+        state = OneBitAdamHookState(self, topology=topology, check_finite=check_finite, grad_scaler=grad_scaler)
+        return state, onebit_adam_hook
 
     def _state_problem(self, p: torch.Tensor, state: dict, group: dict) -> str | None:
         problem = super()._state_problem(p, state, group)
@@ -373,6 +391,9 @@ class OneBitAdamHookState(HookState):
         self.warmup_steps = self.compressed_steps = 0
         super().__init__(optimizer, topology, check_finite=check_finite, grad_scaler=grad_scaler)
 
+    def metrics(self) -> dict[str, float]:
+        return {**super().metrics(), self.optimizer.metrics_prefix + "compressed_steps": self.compressed_steps}
+
     def _check_setup(self, optimizer, topology) -> None:
         super()._check_setup(optimizer, topology)
         if len({g["freeze_step"] for g in optimizer.param_groups}) > 1:
@@ -385,8 +406,8 @@ class OneBitAdamHookState(HookState):
     def description(self) -> str:
         return "1-bit Adam hook"
 
-    def finish_step(self):
-        staged = super().finish_step()
+    def finish_step(self) -> dict | None:
+        staged = self.take_staged()
         if staged:
             kinds = {type(s.record) for s in staged.values()}
             self.warmup_steps += _Warmup in kinds
@@ -407,11 +428,11 @@ def onebit_adam_hook(state: OneBitAdamHookState, bucket: dist.GradBucket) -> tor
     One all-to-all and one all-gather of ``(c/8 + 4k)`` bytes per peer per bucket (``c`` the elements
     of one shard of the bucket's ``k`` parameters, padded to whole bytes).
     """
-    items = state._begin_bucket(bucket)
+    items = state.begin_bucket(bucket)
     try:
         return _start_bucket(state, bucket, bucket.buffer(), items)
     except BaseException:
-        state._abort_bucket([item.param for item in items])  # nothing of this bucket stays staged
+        state.abort_bucket([item.param for item in items])  # nothing of this bucket stays staged
         raise
 
 
@@ -425,13 +446,13 @@ def _start_bucket(state: OneBitAdamHookState, bucket, buffer: torch.Tensor, item
             "A DDP bucket holds parameters in both phases (their step counts differ): every parameter of the model "
             "must be stepped together, and a checkpoint must hold the state of every parameter."
         )
-    stats = state._step_stats
+    stats = state.step_stats
     stats.calls += 1
     stats.fp32_allreduce_bytes += fp32_allreduce_bytes(buffer.numel(), n)
 
     if not phases or not phases.pop():  # warm-up: average in full precision (allreduce_hook)
         for item in items:
-            state._stage(item.param, item.group, _Warmup(item.grad))
+            state.stage(item.param, item.group, _Warmup(item.grad))
         moved = [item for item in items if item.grad.stride() != item.in_place.stride()]
 
         def start(wire):
@@ -444,7 +465,7 @@ def _start_bucket(state: OneBitAdamHookState, bucket, buffer: torch.Tensor, item
                 item.in_place.copy_(item.grad.clone())
             return recv
 
-        return state._end_bucket(bucket, launch_in_order(topo, Job(Wire(topo, stats), start, finish)))
+        return state.end_bucket(bucket, launch_in_order(topo, Job(Wire(topo, stats), start, finish)))
 
     # compressed: worker side, here on the autograd thread
     layout, records, signs_list, scales_list, col = [], [], [], [], 0
@@ -452,7 +473,7 @@ def _start_bucket(state: OneBitAdamHookState, bucket, buffer: torch.Tensor, item
         st = opt.init_error_buffers(p, rank, n)
         signs, scales, ew = compress_with_feedback(_local_momentum(st, g, group), n, group["scaling"])
         record = _Compressed(ew.view_as(p))
-        state._stage(p, group, record)
+        state.stage(p, group, record)
         records.append(record)
         signs_list.append(signs)
         scales_list.append(scales)
@@ -490,7 +511,7 @@ def _start_bucket(state: OneBitAdamHookState, bucket, buffer: torch.Tensor, item
             seg.out.copy_(record.m_bar)
         return buffer
 
-    return state._end_bucket(bucket, launch_in_order(topo, Job(Wire(topo, stats), start, finish)))
+    return state.end_bucket(bucket, launch_in_order(topo, Job(Wire(topo, stats), start, finish)))
 
 
 class _Segment(NamedTuple):

@@ -163,6 +163,14 @@ class Birder(OneBitOptimizer):
         "maximize": FLAG,
     }
     optional_settings = ("foreach", "maximize", "stale")
+    card_keys = ("lr", "beta", "weight_decay", "amsgrad", "stale")
+    card_name = "Birder (1-bit adaptive, Peng et al. NeurIPS 2023; birder-hf)"
+    card_title = "## Trained with Birder"
+    card_summary = (
+        "This model was trained with [birder-hf](https://openreview.net/forum?id=Mlo2kM11ZB): the Birder "
+        "optimizer exchanges 1-bit quantized update directions between workers (Hierarchical-1-bit-All-Reduce); "
+        "what each method sends per step is in birder-hf's README."
+    )
     state_keys = ("step", "exp_avg", "exp_avg_abs", "max_exp_avg_abs", "shard")
     required_state = ("step", "exp_avg", "exp_avg_abs")
     tensor_state = ("exp_avg", "exp_avg_abs", "max_exp_avg_abs")
@@ -245,10 +253,10 @@ class Birder(OneBitOptimizer):
 
             # every rank of the group learns of this rank's error, or of settings that differ between the ranks,
             # and raises it too (none is left waiting in a collective), before the topology's groups are built
-            StepAllReduce.agree_on_setup(
+            settings = StepAllReduce.agree_on_setup(
                 self, topology=topology, process_group=process_group, method=method, error=error
             )
-            StepAllReduce(topology=topology, process_group=process_group, method=method).attach(self)
+            StepAllReduce(settings, topology=topology, process_group=process_group).attach(self)
 
     @property
     def seed(self) -> int:
@@ -259,6 +267,9 @@ class Birder(OneBitOptimizer):
             if "lazy" in group and "stale" not in group:
                 group["stale"] = "lazy" if group.pop("lazy") else "keep"
         super().__setstate__(state)
+
+    def card_settings(self) -> dict:
+        return {**super().card_settings(), "seed": self.seed}
 
     def _check_group_keys(self, param_group: dict, where: str) -> None:
         if "lazy" in param_group:

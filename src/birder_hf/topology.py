@@ -20,17 +20,13 @@ the two streams of collectives could be issued in different orders on different 
 from __future__ import annotations
 
 import os
-import weakref
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-__all__ = ["Topology"]
+from .lifecycle import close_tracked, track_groups, untrack_groups, wait_for_callbacks
 
-# The topologies that built process groups and were not closed yet. At exit, birder_hf closes them (after the 1-bit
-# all-reduce's callbacks are released, ``collectives._release_at_exit``): a group whose last reference would otherwise
-# go at the interpreter's finalization has its threads joined there, which aborted finished runs under load.
-_OPEN: weakref.WeakSet = weakref.WeakSet()
+__all__ = ["Topology"]
 
 
 def _require_initialized(where: str) -> None:
@@ -128,10 +124,7 @@ class Topology:
         object.__setattr__(self, "intra_ranks", tuple(self.intra_ranks))
         object.__setattr__(self, "inter_ranks", tuple(self.inter_ranks))
         if self.owned_groups:
-            from .collectives import _LIVE  # the exit handler that closes it (collectives imports this module)
-
-            _OPEN.add(self)
-            _LIVE.register_exit_handler()
+            track_groups(self)  # closed at exit, after the callbacks on its groups are released
 
     # ----------------------------------------------------------------------------------- constructors
     @classmethod
@@ -343,9 +336,7 @@ class Topology:
         """
         if self.closed:
             return
-        from .collectives import wait_for_callbacks  # the callbacks run on these groups' threads
-
-        wait_for_callbacks()
+        wait_for_callbacks()  # the callbacks run on these groups' threads
         for group in self.owned_groups:
             try:
                 dist.destroy_process_group(group)
@@ -355,17 +346,17 @@ class Topology:
             object.__setattr__(self, name, None)
         object.__setattr__(self, "owned_groups", ())
         object.__setattr__(self, "closed", True)
-        _OPEN.discard(self)
+        untrack_groups(self)
 
     @staticmethod
     def close_open() -> None:
         """Close every topology that built process groups and is still open (the exit handler calls it once the 1-bit
         all-reduce's callbacks are released, so that no group of birder_hf's lives into the interpreter's
         finalization)."""
-        for topology in list(_OPEN):
-            topology.close()
+        close_tracked()
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """Raise ``RuntimeError`` if :meth:`close` released this topology's groups."""
         if self.closed:
             raise RuntimeError(
                 f"{self!r} was closed (its process groups are released); build a new topology, and a new hook state "

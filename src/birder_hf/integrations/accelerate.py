@@ -60,7 +60,6 @@ from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, check_settings
 from ..communicators import agree_setup, setup_group
 from ..fsdp import register_birder_fsdp
 from ..hook import attach_ddp_hook
-from ..onebit_adam import OneBitAdam
 from ..topology import Topology
 
 __all__ = [
@@ -153,7 +152,7 @@ def register_birder_hook(accelerator, model, optimizer, *, topology: Topology | 
                 f"DistributedDataParallelKwargs(comm_hook={builtin}) already asks for a built-in hook; DDP allows "
                 "one hook per model. Drop comm_hook from the kwargs handler to use Birder's 1-bit hook."
             )
-        if isinstance(inner, OneBitAdam) and getattr(accelerator, "scaler", None) is not None:
+        if not inner.loss_scaling and getattr(accelerator, "scaler", None) is not None:
             raise ValueError(
                 "1-bit Adam cannot train with fp16 loss scaling (accelerate's GradScaler): its hook encodes the "
                 "scaled gradients, and Adam's step depends on their scale. Use mixed_precision='bf16' (Birder itself "
@@ -164,7 +163,7 @@ def register_birder_hook(accelerator, model, optimizer, *, topology: Topology | 
     # a bad argument on one rank stops every rank here, before Topology.from_env and the hook's own collectives
     # (the others would wait in them until the process-group timeout); one small all-gather at set-up
     agree_setup(setup_group(topology), {} if error is None else None, error, what="register_birder_hook")
-    if not isinstance(inner, OneBitAdam):
+    if inner.loss_scaling:
         options.setdefault("grad_scaler", getattr(accelerator, "scaler", None))
     if accelerator.num_processes == 1:
         _register_checkpoint_hooks(accelerator, inner)

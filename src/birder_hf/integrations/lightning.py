@@ -59,6 +59,7 @@ import os
 import shutil
 from typing import Any
 
+from ..base import OneBitOptimizer
 from ..checkpoint import (
     MARKER,
     checkpoint_problem,
@@ -67,7 +68,7 @@ from ..checkpoint import (
     read_own_rank_state,
     save_rank_state,
 )
-from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, INTER_METHODS, METHODS
+from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, check_settings
 from ..communicators import HookState
 from ..hook import BirderHookState, attach_ddp_hook
 from ..onebit_adam import OneBitAdam
@@ -85,7 +86,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 __all__ = ["BirderDDPStrategy", "birder_state_dir", "find_resumable_lightning_checkpoint"]
 
-_ONE_BIT = (Birder, OneBitAdam)
+_ONE_BIT = OneBitOptimizer
 
 
 def birder_state_dir(checkpoint_path: str | os.PathLike) -> str:
@@ -162,7 +163,7 @@ def _check_trainer_settings(precision: str, gradient_clip_val: float | None) -> 
 
 
 def _check_precision(precision: str, opt) -> None:
-    if isinstance(opt, OneBitAdam) and str(precision) == "16-mixed":
+    if not opt.loss_scaling and str(precision) == "16-mixed":
         raise ValueError(
             "OneBitAdam cannot train with precision='16-mixed': its hook encodes the loss-scaled gradients, and "
             "Adam's step depends on their scale. Use Trainer(precision='bf16-mixed') (Birder itself trains with "
@@ -259,10 +260,7 @@ class BirderDDPStrategy(DDPStrategy):
                 "model_averaging_period asks for post-local SGD, which averages parameters instead of gradients and "
                 "cannot be combined with Birder's 1-bit hook; drop it."
             )
-        if method not in METHODS:
-            raise ValueError(f"Unknown method {method!r}; choose one of {', '.join(METHODS)}.")
-        if inter_method not in INTER_METHODS:
-            raise ValueError(f"Unknown inter_method {inter_method!r}; choose one of {', '.join(INTER_METHODS)}.")
+        check_settings(method, inter_method, chunk_numel)
         if hierarchy_num_nodes is not None and int(hierarchy_num_nodes) < 1:
             raise ValueError(f"hierarchy_num_nodes={hierarchy_num_nodes} must be a positive number of nodes.")
         super().__init__(**kwargs)

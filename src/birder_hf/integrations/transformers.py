@@ -46,7 +46,6 @@ all-reduce across nodes) for any other optimizer: the uncompressed baseline.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import os
@@ -63,15 +62,16 @@ from ..checkpoint import (
     read_own_rank_state,
     save_rank_state,
 )
-from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, INTER_METHODS, METHODS, check_settings
+from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, check_settings
 from ..communicators import HookState
-from ..fsdp import hsdp_mesh, register_birder_fsdp, shard_model
+from ..fsdp import register_birder_fsdp
 from ..hook import attach_ddp_hook
 from ..model_card import fix_trainer_card, model_card_section, optimizer_description
 from ..onebit_adam import OneBitAdam
 from ..optim import DEFAULT_STALE, Birder
 from ..topology import Topology
 from .accelerate import check_really_distributed, report_skipped_step
+from .hsdp_trainer import HSDPTrainer, ShardedTrainerMixin
 
 try:
     from transformers import Trainer, TrainerCallback
@@ -158,14 +158,12 @@ class BirderArguments:
         if self.lazy is not None:
             warnings.warn('BirderArguments(lazy=...) is replaced by stale=...: lazy=True is stale="lazy", lazy=False '
                           'is stale="keep"', FutureWarning, stacklevel=3)  # fmt: skip
-            self.stale, self.lazy = ("lazy" if self.lazy else "keep") if isinstance(self.lazy, bool) else self.lazy, None
+            if isinstance(self.lazy, bool):  # anything else is left for the rule below to refuse
+                self.stale = "lazy" if self.lazy else "keep"
+            self.lazy = None
         # the same rules as the objects these settings build (set from Python, a value may have any type)
         if self.optimizer not in self.optimizers:
             raise ValueError(f"optimizer={self.optimizer!r}; choose one of {', '.join(self.optimizers)}.")
-        if self.method not in METHODS:
-            raise ValueError(f"method={self.method!r}; choose one of {', '.join(METHODS)}.")
-        if self.inter_method not in INTER_METHODS:
-            raise ValueError(f"inter_method={self.inter_method!r}; choose one of {', '.join(INTER_METHODS)}.")
         check_settings(self.method, self.inter_method, self.chunk_numel)
         rules = {
             "beta": Birder.settings["beta"],
@@ -260,167 +258,6 @@ class BirderCallback(TrainerCallback):
         # the Trainer steps the LR scheduler unless accelerate reports the optimizer step as skipped
         opt = unwrap_optimizer(self.trainer.optimizer)
         report_skipped_step(self.trainer.optimizer, getattr(opt, "step_was_skipped", False))
-
-
-class ShardedTrainerMixin:
-    """A ``Trainer`` that shards its model with FSDP2 itself, on a ``(replicate, shard)`` mesh (module docstring).
-
-    After ``Trainer.__init__``, :meth:`shard_for_training` applies ``fully_shard`` to every block and the root, and
-    puts the Trainer in its mode for a model that arrives FSDP2-sharded and reduces its own gradients (the mode of
-    ``from_pretrained(distributed_config=...)``): no DDP wrapping, gradient accumulation through FSDP's
-    ``set_requires_gradient_sync``. Checkpoints hold the full weights (``save_pretrained``; every rank takes part in
-    the gather) and load back into the shards.
-    """
-
-    birder_mesh = None  # the (replicate, shard) DeviceMesh, once sharded
-
-    def shard_for_training(self, num_nodes: int | None, *, across_nodes: bool) -> None:
-        """Shard ``self.model`` on the ``"shard"`` dimension (``across_nodes=False``: Birder's 1-bit HSDP) or on the
-        whole 2-D mesh (``True``: native HSDP, full-precision all-reduce across nodes)."""
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError("sharding='hsdp' needs a distributed launch (torchrun or accelerate launch).")
-        if self.optimizer is not None:
-            raise ValueError(
-                "sharding='hsdp' creates the optimizer after sharding the model; pass optimizer_cls_and_kwargs= "
-                "instead of an optimizer instance (optimizers=)."
-            )
-        if self.args.fsdp or self.args.deepspeed:
-            raise ValueError(
-                "sharding='hsdp' shards the model itself; drop --fsdp/--deepspeed (accelerate's FSDP plugin would "
-                "shard it again, and DeepSpeed reduces gradients its own way)."
-            )
-        mesh = hsdp_mesh(num_nodes if num_nodes is not None else _launcher_nodes(), self.args.device.type)
-        shard_model(self.model, mesh if across_nodes else mesh["shard"])
-        self.birder_mesh = mesh
-        # the Trainer's own flag for a model sharded before it: it neither wraps it in DDP nor shards it again
-        self.is_distributed_loading_by_transformers = True
-        logger.info("Model sharded with FSDP2 on %r (%s).", mesh, "native HSDP" if across_nodes else "1-bit HSDP")
-
-    @contextlib.contextmanager
-    def _defer_fsdp_gradient_reduction(self):
-        # micro-batches before the last: FSDP keeps the unsharded gradient and reduce-scatters once
-        if self.birder_mesh is None:
-            with super()._defer_fsdp_gradient_reduction():
-                yield
-            return
-        self.model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            self.model.set_requires_gradient_sync(True)
-
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        if self.birder_mesh is None:
-            return super().save_model(output_dir, _internal_call)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        # every rank takes part in gathering the full weights; the main process writes them
-        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.args.should_save:
-            self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=full)
-        if self.args.push_to_hub and not _internal_call:  # as Trainer.save_model does
-            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
-
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        if self.birder_mesh is None:
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        state = _model_keys(self.model, _read_full_weights(resume_from_checkpoint), resume_from_checkpoint)
-        # every key is there (checked above) but tied weights (an LM head sharing the embedding), saved once
-        set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True, strict=False))
-
-
-class HSDPTrainer(ShardedTrainerMixin, Trainer):
-    """``transformers.Trainer`` with native HSDP (FSDP2 on the 2-D mesh: full precision across nodes), for any
-    optimizer: the uncompressed baseline of Birder's 1-bit HSDP. ``num_nodes``: default from the launcher."""
-
-    def __init__(self, *args, num_nodes: int | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.shard_for_training(num_nodes, across_nodes=True)
-
-
-def _launcher_nodes() -> int:
-    import torch.distributed as dist
-
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
-    world = dist.get_world_size()
-    if local < 1 or world % local:
-        raise ValueError(
-            f"LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE')!r} gives no node layout of {world} ranks; pass "
-            "--num_nodes."
-        )
-    return world // local
-
-
-def _model_keys(model, saved: dict, folder: str) -> dict:
-    """``saved`` (what ``save_pretrained`` wrote) under ``model``'s own keys, checked: every weight of the model is there
-    but tied ones (saved once), and nothing else. Raises ``ValueError`` naming the keys, before anything is loaded.
-
-    transformers saves some models under their checkpoints' original names (a ``ViTForImageClassification``'s
-    ``...attention.attention.key...`` for its ``...attention.k_proj...``); ``from_pretrained`` renames them back, a
-    plain load would skip them. The renaming is read from transformers' own (``revert_weight_conversion``, run on
-    placeholder tensors of the model's keys).
-    """
-    import torch
-
-    own = model.state_dict()  # keys and (full) shapes only: no gather
-    rename = {}
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:  # an older transformers saves under the model's own keys
-        revert_weight_conversion = None
-    if revert_weight_conversion is not None and hasattr(model, "config") and set(saved) - set(own):
-        probe = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in own.items()}
-        ids = {id(t): k for k, t in probe.items()}
-        try:
-            reverted = revert_weight_conversion(model, dict(probe))
-        except Exception:  # noqa: BLE001  (a conversion that needs real tensors: the key check below reports it)
-            reverted = {}
-        rename = {saved_key: ids[id(t)] for saved_key, t in reverted.items() if id(t) in ids}
-    state = {rename.get(k, k): v for k, v in saved.items()}
-    # tied weights: one tensor under several keys; the checkpoint needs one of them
-    tied: dict[int, set] = {}
-    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-        tied.setdefault(id(t), set()).add(name)
-    twins = {name: names for names in tied.values() for name in names}
-    missing = [k for k in own if k not in state and not (twins.get(k, set()) & state.keys())]
-    unexpected = [k for k in saved if rename.get(k, k) not in own]
-    if missing or unexpected:
-        show = lambda keys: f"{keys[:6]}{f' and {len(keys) - 6} more' if len(keys) > 6 else ''}"  # noqa: E731
-        raise ValueError(
-            f"The weights in {folder} do not match the model ({type(model).__name__}): "
-            + "; ".join(
-                part
-                for part in (
-                    f"{len(missing)} of its {len(own)} keys are not there: {show(missing)}" if missing else "",
-                    f"{len(unexpected)} saved keys are not the model's: {show(unexpected)}" if unexpected else "",
-                )
-                if part
-            )
-            + ". Nothing was loaded: resume with the model (class and config) that wrote the checkpoint."
-        )
-    return state
-
-
-def _read_full_weights(folder: str) -> dict:
-    """The weights ``save_pretrained`` wrote in ``folder`` (one safetensors file or an index of shards)."""
-    import json
-
-    from safetensors.torch import load_file
-
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
-    state = {}
-    for name in files:
-        state.update(load_file(os.path.join(folder, name)))
-    return state
 
 
 class BirderTrainerMixin(ShardedTrainerMixin):
@@ -540,11 +377,7 @@ class BirderTrainerMixin(ShardedTrainerMixin):
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         state = self.birder_hook_state
         if state is not None and "loss" in logs and state.steps_communicated:
-            prefix = "birder/" if isinstance(state.optimizer, Birder) else "onebit_adam/"
-            logs.update(state.stats.as_dict(prefix))
-            logs[prefix + "skipped_steps"] = state.skipped_steps
-            if isinstance(state.optimizer, OneBitAdam):
-                logs[prefix + "compressed_steps"] = state.compressed_steps
+            logs.update(state.metrics())
         super().log(logs, *args, **kwargs)
 
     def create_model_card(self, *args, metrics: dict[str, float] | None = None, **kwargs) -> None:

@@ -1,4 +1,4 @@
-"""The ranks of ``birder-hf preflight`` (see ``birder_hf.preflight``): rendezvous, layout, backend, measurements.
+"""The ranks of ``birder-hf preflight`` (see ``birder_hf.cli.preflight``): rendezvous, layout, backend, measurements.
 
 Our tool, not part of the paper. Each rank joins a ``TCPStore`` on the master port (rank 0 hosts it, unless torchrun's
 agent already does), all-gathers every rank's claimed layout through it, and fails on every rank at once when they
@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from .preflight import EXIT_CODES, Config, PreflightError, check_interfaces, emit, fail, node_checks
+from .common import EXIT_CODES, Config, PreflightError, check_interfaces, emit, fail, node_checks
 
 __all__ = ["run_rank", "render"]
 
@@ -212,8 +212,8 @@ def _measure(cfg: Config, device) -> dict:
     import torch
     import torch.distributed as dist
 
-    from .collectives import CommStats, expected_bytes, onebit_all_reduce
-    from .topology import Topology
+    from ..collectives import CommStats, expected_bytes, onebit_all_reduce
+    from ..topology import Topology
 
     k, lws, rank = cfg.nnodes, cfg.nproc_per_node, cfg.rank
     world, wait = k * lws, timedelta(seconds=cfg.timeout)
