@@ -10,7 +10,7 @@ Runs use ``simulate_quality.py``'s one-process workers (bit-equal to a real 2 x 
 ``tests/test_simulate_workers.py``), the TTA tasks' model, data and schedule, and the same global batch.
 
     python benchmarks/lr_protocol.py --task qa --method 2x2 --grid 1e-3 2e-3 4e-3
-    python benchmarks/lr_protocol.py --task qa --method 2x2 --grid 1e-3 2e-3 4e-3 --options '{"lazy": true}'
+    python benchmarks/lr_protocol.py --task qa --method 2x2 --grid 1e-3 2e-3 4e-3 --options '{"stale": "keep"}'
     python benchmarks/lr_protocol.py --task qa --method adamw --grid 1e-3 2e-3 4e-3
     python benchmarks/lr_protocol.py --task qa --report      # docs/results/lr_protocol_qa.{md,png} from the .json
 
@@ -125,7 +125,7 @@ def report(task: str, results: Path) -> str:
         "time = steps to the target x the TTA table's seconds per step on the Ethernet link)",
         "",
         "| method | tuning: median final per lr (chosen **bold**) | held-out seeds reaching the target | "
-        "steps to target: median, worst | time to target (s): median, worst | final: median, worst |",
+        "steps to target: median / worst | time to target (s): median / worst | final: median / worst |",
         "|---|---|---|---|---|---|",
     ]
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -145,9 +145,11 @@ def report(task: str, results: Path) -> str:
         med = statistics.median([x if x is not None else math.inf for x in steps])
         sps = _s_per_step(task, m["method"])
         t = (lambda x: "not reached" if x in (None, math.inf, "not reached") else f"{x * sps:.0f}")  # noqa: E731
+        h["time_to_target_s"] = {"s_per_step": sps, "median": None if med == math.inf else med * sps,
+                                 "worst": None if worst == "not reached" else worst * sps}  # fmt: skip
         lines.append(
-            f"| {label} | {grid} | {h['reached']} of {h['seeds']} | {med if med != math.inf else 'not reached'}, "
-            f"{worst} | {t(med)}, {t(worst)} | {h['median']:.1f}, {h['worst']:.1f} |"
+            f"| {label} | {grid} | {h['reached']} of {h['seeds']} | {med if med != math.inf else 'not reached'} / "
+            f"{worst} | {t(med)} / {t(worst)} | {h['median']:.1f} / {h['worst']:.1f} |"
         )
         curves = [r["curve"] for r in h["per_seed"].values()]
         xs = curves[0]["steps"]
@@ -162,6 +164,8 @@ def report(task: str, results: Path) -> str:
     fig.tight_layout()
     fig.savefig(results / f"lr_protocol_{task}.png", dpi=110)
     plt.close(fig)
+    (results / f"lr_protocol_{task}.json").write_text(json.dumps(store, indent=1) + "\n")  # with the times
+    lines.insert(2, f"<!-- numbers: docs/results/lr_protocol_{task}.json -->")
     table = "\n".join(lines) + "\n"
     (results / f"lr_protocol_{task}.md").write_text(table)
     return table

@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the task's tuned one, LR)")
-    ap.add_argument("--options", default="{}", help='Birder keyword arguments as JSON, e.g. \'{"lazy": true}\'')
+    ap.add_argument("--options", default="{}", help='Birder keyword arguments as JSON, e.g. \'{"stale": "keep"}\'')
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--work", type=Path, default=ROOT / "outputs" / "simulate_quality")
     ap.add_argument("--results", type=Path, default=ROOT / "docs" / "results")

@@ -1,9 +1,9 @@
 """Stale-direction drift (issue 25): how far a coordinate moves after its gradient stops, and how many coordinates of
-the time-to-accuracy tasks have an exactly-zero gradient on a step (the ones ``Birder(lazy=True)`` keeps from voting).
+the time-to-accuracy tasks have an exactly-zero gradient on a step (the ones ``Birder``'s ``stale`` modes act on).
 
 1. ``drift``: the issue's example. ``Birder([p], lr=1e-3)``, gradient (1, -1, 0.5, 0) at step 0 and zeros after;
-   |p_t - p_0| / lr after 20, 200 and 1000 steps, for the paper's literal update, ``amsgrad=True``, ``lazy=True``
-   and both: in one process, and on 4 real ranks (2 nodes x 2, gloo) with the DDP hook and ``hierarchical``, every
+   |p_t - p_0| / lr after 20, 200 and 1000 steps, for the paper's literal update (``stale="keep"``), ``amsgrad=True``,
+   ``stale="lazy"``, both, and ``stale="fade"`` (the default): in one process, and on 4 real ranks (2 nodes x 2, gloo) with the DDP hook and ``hierarchical``, every
    rank giving that gradient scaled by (1 + rank).
 2. ``zeros``: each task of ``benchmarks/system/tta.py`` (its model, batch and data, one rank's batches of steps
    1..``--steps`` of seed 0, trained by ``Birder`` at the task's tuned lr in this one process): the share of
@@ -29,10 +29,11 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "system"))
 from birder_hf import Birder, Topology, attach_ddp_hook  # noqa: E402
 
 VARIANTS = {
-    "literal": {"lazy": False, "amsgrad": False},
-    "amsgrad": {"lazy": False, "amsgrad": True},
-    "lazy": {"lazy": True, "amsgrad": False},
-    "both": {"lazy": True, "amsgrad": True},
+    "literal": {"stale": "keep", "amsgrad": False},
+    "amsgrad": {"stale": "keep", "amsgrad": True},
+    "lazy": {"stale": "lazy", "amsgrad": False},
+    "both": {"stale": "lazy", "amsgrad": True},
+    "fade": {"stale": "fade", "amsgrad": False},
 }
 G0 = (1.0, -1.0, 0.5, 0.0)
 CHECKPOINTS = (20, 200, 1000)
@@ -140,7 +141,8 @@ def zeros(tasks, steps: int, work: Path) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tasks", nargs="+", default=["qa", "lm", "image"])
+    ap.add_argument("--tasks", nargs="*", default=["qa", "lm", "image"],
+                    help="tasks whose zero-gradient share to measure (none: keep the shares stored in --out)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--work", type=Path, default=ROOT / "outputs" / "tta_stale" / "data")
     ap.add_argument("--out", type=Path, default=None)
@@ -149,7 +151,12 @@ def main(argv=None) -> int:
     result = {"command": "python benchmarks/stale_drift.py " + " ".join(argv or sys.argv[1:]), "lr": LR,
               "gradient_at_step_1": G0, "drift_in_lr": drift()}  # fmt: skip
     print(json.dumps(result["drift_in_lr"], indent=1), flush=True)
-    result["zero_gradient_share"] = zeros(args.tasks, args.steps, args.work)
+    if args.tasks:
+        result["zero_gradient_share"] = zeros(args.tasks, args.steps, args.work)
+    elif args.out and args.out.exists():
+        old = json.loads(args.out.read_text())
+        result["zero_gradient_share"] = old.get("zero_gradient_share")
+        result["zero_gradient_share_command"] = old.get("zero_gradient_share_command", old.get("command"))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0

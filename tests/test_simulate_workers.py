@@ -24,7 +24,7 @@ KW = dict(lr=0.01, beta=0.9, weight_decay=0.01, seed=21)
 
 def _model():
     torch.manual_seed(0)
-    # an embedding: rows absent from a rank's batch have a zero gradient there (lazy's case), and 37 + 8 * 3 + 1
+    # an embedding: rows absent from a rank's batch have a zero gradient there (the stale modes' case), and 37 + 8 * 3 + 1
     # elements leave padding in the last byte of a shard
     return torch.nn.Sequential(torch.nn.Embedding(37, 3), torch.nn.Flatten(), torch.nn.Linear(12, 2))
 
@@ -35,9 +35,9 @@ def _loss(model, rank, step):
     return (model(tokens) - torch.randn(5, 2, generator=g)).pow(2).mean()
 
 
-def _real(rank, world, lazy):
+def _real(rank, world, stale):
     model = DDP(_model())
-    opt = Birder(model.parameters(), lazy=lazy, **KW)
+    opt = Birder(model.parameters(), stale=stale, **KW)
     attach_ddp_hook(model, opt, topology=Topology.from_layout(2, 2), method="hierarchical")
     for t in range(STEPS):
         _loss(model, rank, t).backward()
@@ -46,10 +46,10 @@ def _real(rank, world, lazy):
     return [p.detach().clone() for p in model.module.parameters()]
 
 
-def _simulated(nodes, local, lazy):
+def _simulated(nodes, local, stale):
     model = _model()
     params = list(model.parameters())
-    workers = sim.SimulatedWorkers(params, nodes, local, lazy=lazy, **KW)
+    workers = sim.SimulatedWorkers(params, nodes, local, stale=stale, **KW)
     for t in range(STEPS):
         grads = []
         for r in range(nodes * local):
@@ -60,15 +60,15 @@ def _simulated(nodes, local, lazy):
     return [p.detach().clone() for p in params], workers
 
 
-@pytest.mark.parametrize("lazy", [True, False])
-def test_four_simulated_workers_are_a_real_four_rank_run_bit_for_bit(lazy):
+@pytest.mark.parametrize("stale", ["fade", "lazy", "keep"])
+def test_four_simulated_workers_are_a_real_four_rank_run_bit_for_bit(stale):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as every rank runs
     try:
-        simulated, _ = _simulated(2, 2, lazy)
+        simulated, _ = _simulated(2, 2, stale)
     finally:
         torch.set_num_threads(threads)
-    real = run_distributed(_real, 4, lazy)
+    real = run_distributed(_real, 4, stale)
     assert all(torch.equal(a, b) for a, b in zip(real[0], real[3]))
     for a, b in zip(simulated, real[0], strict=True):
         assert torch.equal(a, b)

@@ -46,7 +46,10 @@ def _options(variant: str) -> dict:
     import inspect
 
     opts = dict(VARIANTS[variant])
-    if "lazy" not in inspect.signature(Birder).parameters:  # a tree from before the option: literal was the only way
+    params = inspect.signature(Birder).parameters
+    if "stale" in params:  # lazy= is the deprecated name of stale="lazy" / "keep"
+        opts["stale"] = "lazy" if opts.pop("lazy") else "keep"
+    elif "lazy" not in params:  # a tree from before either option: literal was the only way
         if opts.pop("lazy"):
             raise SystemExit(f"{variant} needs Birder(lazy=...); this tree's Birder has no such option")
     return opts

@@ -12,10 +12,11 @@ Deviations from the paper (its full text and code were not available to us; ``do
   ``birder_hf.quantize``, so that resume is exact and the bits do not depend on DDP's bucket layout.
 - ``quantize=False`` and ``amsgrad=True`` are opt-in extras (a single-process reference, and the
   max-variant the paper uses only in its theory).
-- ``lazy=True`` (opt-in, ours): a coordinate whose gradient is exactly 0 this step does not vote (``u = 0`` there),
-  so one that stops receiving gradient stops moving instead of drifting by ``lr`` per step in its last direction
-  forever (``m`` and ``b`` decay alike, so the paper's ``u = m / b`` stays where it was). The default ``lazy=False``
-  is the paper's literal update: ``lazy`` slowed learning on the QA task (``docs/ALGORITHM.md``).
+- ``stale`` (ours): what a coordinate does on a step where its gradient is exactly 0. In the paper's update
+  (``stale="keep"``) ``m`` and ``b`` decay alike, so ``u = m / b`` keeps its last value and a coordinate that stops
+  receiving gradient drifts by ``lr`` per step in its last direction forever. ``"fade"`` decays its ``m`` once more
+  (``u`` shrinks by ``beta`` per such step) and stops its vote once ``|u| < STALE_VOTE_MIN``; ``"lazy"`` stops its
+  vote at once (``u = 0``). ``docs/ALGORITHM.md`` has the bounds and the measurements behind the default.
 - Steps with a non-finite gradient are skipped (state and parameters untouched) with a warning.
 
 The optimizer *encodes* (``m, b -> u``) and *applies* (``x <- x - lr (d + wd x)``); turning every rank's ``u``
@@ -53,6 +54,11 @@ from .quantize import STAGE_WORKER, BitKeys, quantize_bits
 
 __all__ = ["Birder", "birder", "birder_encode", "birder_apply", "EncodeOut", "StateBuffers"]
 
+STALE_MODES = ("fade", "lazy", "keep")
+DEFAULT_STALE = "fade"
+# "fade": a stale coordinate stops voting once |u| < STALE_VOTE_MIN: at most ceil(ln(1/20) / ln(beta)) stale steps
+STALE_VOTE_MIN = 0.05
+
 # u = m / max(b, _TINY): equals m / b wherever b is a normal float32, and 0 where b = 0 (then m = 0).
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -65,14 +71,22 @@ class Birder(OneBitOptimizer):
     .. math::
         m_t &= \beta m_{t-1} + (1 - \beta) g_t \\
         b_t &= \beta b_{t-1} + (1 - \beta) |g_t| \qquad (|m_t| \le b_t) \\
-        u_t &= m_t / b_t \quad (0 \text{ where } b_t = 0, \text{ and where } g_t = 0 \text{ with lazy}),
-            \qquad u_t \in [-1, 1] \\
+        u_t &= m_t / b_t \quad (0 \text{ where } b_t = 0), \qquad u_t \in [-1, 1] \\
         q_t &= Q(u_t), \quad P(q_{t,j} = +1) = (1 + u_{t,j}) / 2 \qquad (E[q_t] = u_t) \\
         d_t &= \text{OneBitAllReduce}(q_t) \quad (\text{or } q_t \text{ in one process}) \\
         x_t &= x_{t-1} - \eta_t (d_t + \lambda x_{t-1})
 
     Every step moves each coordinate by at most :math:`\eta (1 + \lambda |x|)`. There is no
     uncompressed warm-up: compression is on from the first step.
+
+    Where :math:`g_t = 0` exactly (a *stale* coordinate: an embedding row absent from the batch, a dead unit), the
+    lines above are the paper's (``stale="keep"``): :math:`m` and :math:`b` decay alike and :math:`u` keeps its last
+    value. With ``stale="fade"`` such a coordinate's :math:`m` decays once more, :math:`m_t = \beta^2 m_{t-1}`, so
+    :math:`u` shrinks by :math:`\beta` per stale step, and :math:`u_t = 0` once :math:`|u_t| <` ``STALE_VOTE_MIN``:
+    a coordinate that stops receiving gradient votes on at most
+    :math:`K = \lceil \ln(\text{STALE\_VOTE\_MIN}) / \ln \beta \rceil` more steps (59 for :math:`\beta = 0.95`),
+    so it moves by at most :math:`K \eta` in all, weight decay aside. With ``stale="lazy"``, :math:`u_t = 0` on every
+    stale step (:math:`K = 0`).
 
     Who turns :math:`u` into :math:`d` (the communicator, ``birder_hf.base``):
 
@@ -94,7 +108,7 @@ class Birder(OneBitOptimizer):
     Edge cases: parameters without ``.grad`` are skipped (no state, step not counted); zero-size
     parameters are allowed; integer and complex parameters, and a parameter listed twice, are refused at
     construction; sparse gradients raise. Coordinates whose gradient has always been 0 have :math:`b = 0`, hence
-    :math:`u = 0` (with ``lazy``, so does every coordinate whose gradient is 0 this step); in one process :math:`d = 0`
+    :math:`u = 0`; in one process :math:`d = 0`
     wherever :math:`u = 0` exactly (unbiased, and torch's convention that all-zero gradients leave parameters where
     they are: only weight decay moves them). Across ranks, pairs of ranks
     draw antithetically (``birder_hf.quantize``), so such a coordinate gets :math:`d = 0` from the exact-mean methods
@@ -110,12 +124,12 @@ class Birder(OneBitOptimizer):
         quantize (`bool`, *optional*, defaults to `True`): binary randomization; ``False`` uses
             :math:`d = u` (single process only; a reference, not 1-bit).
         amsgrad (`bool`, *optional*, defaults to `False`): use :math:`\max_{s \le t} b_s` (the theory's variant).
-        lazy (`bool`, *optional*, defaults to `False`): :math:`u = 0` where this step's gradient is exactly 0 (a
-            coordinate without gradient does not vote; ``m`` and ``b`` still decay as in the paper, so they are the
-            same as with ``lazy=False``). Without it, a coordinate that stops receiving gradient keeps
-            :math:`u = m / b` and moves by :math:`\eta` per step in its last direction, without end (embedding rows of
-            absent tokens, unused heads). ``False``: the paper's literal update (the default, see ``docs/ALGORITHM.md``). ``docs/ALGORITHM.md``, "Coordinates
-            that stop receiving gradient".
+        stale (`str`, *optional*, defaults to `DEFAULT_STALE`): what a coordinate whose gradient is exactly 0 this
+            step does (above): ``"fade"`` (its vote fades by :math:`\beta` per such step and stops below
+            ``STALE_VOTE_MIN``), ``"lazy"`` (no vote) or ``"keep"`` (the paper's literal update: it keeps moving by
+            :math:`\eta` per step in its last direction, without end). ``docs/ALGORITHM.md``, "Coordinates that stop
+            receiving gradient".
+        lazy (`bool`, *optional*): deprecated: ``lazy=True`` is ``stale="lazy"``, ``lazy=False`` is ``stale="keep"``.
         seed (`int`, *optional*): seed of the counter-based random bits, one per optimizer; by default
             ``torch.initial_seed()`` (the seed of ``torch.manual_seed``: runs are repeatable, two optimizers built
             alike step alike, as ``torch.optim``'s do, and building one draws no random number). Saved in
@@ -143,13 +157,13 @@ class Birder(OneBitOptimizer):
         "weight_decay": NON_NEGATIVE,
         "quantize": FLAG,
         "amsgrad": FLAG,
-        "lazy": FLAG,
+        "stale": _rule(lambda v: v in STALE_MODES, f"one of {', '.join(map(repr, STALE_MODES))}"),
         "seed": INTEGER,
         "foreach": OPTIONAL_FLAG,
         "maximize": FLAG,
     }
-    optional_settings = ("foreach", "maximize", "lazy")
-    card_keys = ("lr", "beta", "weight_decay", "amsgrad", "lazy")
+    optional_settings = ("foreach", "maximize", "stale")
+    card_keys = ("lr", "beta", "weight_decay", "amsgrad", "stale")
     card_name = "Birder (1-bit adaptive, Peng et al. NeurIPS 2023; birder-hf)"
     card_title = "## Trained with Birder"
     card_summary = (
@@ -170,7 +184,8 @@ class Birder(OneBitOptimizer):
         *,
         quantize: bool = True,
         amsgrad: bool = False,
-        lazy: bool = False,
+        stale: str | None = None,
+        lazy: bool | None = None,
         seed: int | None = None,
         foreach: bool | None = None,
         maximize: bool = False,
@@ -184,6 +199,12 @@ class Birder(OneBitOptimizer):
         if comm_method is not None:
             warnings.warn("Birder(comm_method=...) is renamed method=...", FutureWarning, stacklevel=2)
             method = comm_method if method is None else method
+        if lazy is not None:
+            warnings.warn('Birder(lazy=...) is replaced by stale=...: lazy=True is stale="lazy", lazy=False is '
+                          'stale="keep"', FutureWarning, stacklevel=2)  # fmt: skip
+            if stale is None and isinstance(lazy, bool):
+                stale = "lazy" if lazy else "keep"
+        stale = DEFAULT_STALE if stale is None else stale
         distributed = topology is not None or process_group is not None
         error = None
         try:
@@ -193,7 +214,7 @@ class Birder(OneBitOptimizer):
                     "betas": "Birder has one beta: pass beta=0.95",
                     "eps": "Birder has no eps (u = m / b needs none)",
                 }
-                known = "its settings are lr, beta, weight_decay, quantize, amsgrad, lazy, seed, foreach, maximize"
+                known = "its settings are lr, beta, weight_decay, quantize, amsgrad, stale, seed, foreach, maximize"
                 raise TypeError(f"Birder got an unknown setting {key}={unknown[key]!r}: {hint.get(key, known)}.")
             if differentiable is not False:
                 raise ValueError(
@@ -210,7 +231,7 @@ class Birder(OneBitOptimizer):
                 weight_decay=weight_decay,
                 quantize=quantize,
                 amsgrad=amsgrad,
-                lazy=lazy,
+                stale=stale,
                 seed=int(seed) if is_integer(seed) else seed,  # a numpy int becomes a Python int (weights_only loads)
                 foreach=foreach,
                 maximize=maximize,
@@ -241,10 +262,18 @@ class Birder(OneBitOptimizer):
     def seed(self) -> int:
         return int(self.param_groups[0]["seed"])
 
+    def __setstate__(self, state):
+        for group in state.get("param_groups", ()):  # saved before stale= replaced lazy=
+            if "lazy" in group and "stale" not in group:
+                group["stale"] = "lazy" if group.pop("lazy") else "keep"
+        super().__setstate__(state)
+
     def card_settings(self) -> dict:
         return {**super().card_settings(), "seed": self.seed}
 
     def _check_group_keys(self, param_group: dict, where: str) -> None:
+        if "lazy" in param_group:
+            raise ValueError(f'lazy= in a param group{where} is replaced by stale= ("lazy", "fade" or "keep").')
         super()._check_group_keys(param_group, where)
         if "seed" in param_group and param_group["seed"] != self.defaults["seed"]:
             raise ValueError(
@@ -298,7 +327,7 @@ class Birder(OneBitOptimizer):
             beta=group["beta"],
             maximize=group["maximize"],
             foreach=group["foreach"],
-            lazy=group["lazy"],
+            stale=group["stale"],
             out=out,
             grad_scale=grad_scale,
         )
@@ -418,13 +447,14 @@ def birder_encode(
     beta: float,
     maximize: bool = False,
     foreach: bool | None = None,
-    lazy: bool = False,
+    stale: str = "keep",
     out: EncodeOut | None = None,
     grad_scale: float = 1.0,
 ) -> list[torch.Tensor]:
     r"""Birder's encoder: :math:`m \leftarrow \beta m + (1-\beta) g`, :math:`b \leftarrow \beta b + (1-\beta)|g|`
-    (and :math:`\max b` with amsgrad); returns :math:`u = m / b` (0 where :math:`b = 0`, and with ``lazy`` where
-    :math:`g = 0` exactly), in ``[-1, 1]``.
+    (and :math:`\max b` with amsgrad); returns :math:`u = m / b` (0 where :math:`b = 0`), in ``[-1, 1]``. Where
+    :math:`g = 0` exactly: ``stale="keep"`` (the paper) changes nothing, ``"fade"`` decays :math:`m` once more and
+    sets :math:`u = 0` where :math:`|u| <` ``STALE_VOTE_MIN``, ``"lazy"`` sets :math:`u = 0` (see :class:`Birder`).
 
     Updates the state in place, or, with ``out``, leaves it alone and writes the new values into ``out``'s
     buffers (``out.us=None``: new tensors for ``u``). The single- and multi-tensor paths take the same arguments
@@ -436,14 +466,21 @@ def birder_encode(
     """
     if not (isinstance(grad_scale, (int, float)) and math.isfinite(grad_scale) and grad_scale > 0):
         raise ValueError(f"grad_scale={grad_scale!r} must be a finite number > 0 (the loss scale of the gradients).")
+    if stale not in STALE_MODES:
+        raise ValueError(f"stale={stale!r} must be one of {', '.join(map(repr, STALE_MODES))}.")
     if foreach is None:
         foreach = bool(grads) and all(g.is_cuda for g in grads)
     fn = _multi_tensor_encode if foreach else _single_tensor_encode
     weight = (1 - beta) / grad_scale
-    us = fn(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, beta=beta, weight=weight, maximize=maximize, out=out)
-    if lazy:  # a coordinate without gradient this step does not vote; m and b decayed as usual
+    fade = beta if stale == "fade" else None
+    us = fn(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, beta=beta, weight=weight, maximize=maximize, out=out,
+            fade=fade)  # fmt: skip
+    if stale != "keep":  # a stale coordinate: no vote ("lazy"), or none once its faded u is small ("fade")
         for u, g in zip(us, grads):
-            u.masked_fill_(g == 0, 0.0)
+            stale_now = g == 0
+            if fade is not None:
+                stale_now &= u.abs() < STALE_VOTE_MIN
+            u.masked_fill_(stale_now, 0.0)
     return us
 
 
@@ -494,20 +531,25 @@ def birder(
     quantize: bool = True,
     maximize: bool = False,
     foreach: bool | None = None,
-    lazy: bool = False,
+    stale: str = "keep",
 ) -> list[torch.Tensor]:
     r"""One-process Birder step (see :class:`Birder`): encode, :math:`d = Q(u)` (0 where :math:`u = 0`; or ``u``
     without ``quantize``), apply. ``keys[i]`` keys the random bits of ``params[i]``. Returns the directions
     :math:`d`."""
     us = birder_encode(
-        grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, beta=beta, maximize=maximize, foreach=foreach, lazy=lazy
+        grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, beta=beta, maximize=maximize, foreach=foreach, stale=stale
     )
     ds = [_signs(u, key) for u, key in zip(us, keys)] if quantize else us
     birder_apply(params, ds, lr=lr, weight_decay=weight_decay)
     return ds
 
 
-def _single_tensor_encode(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, *, beta, weight, maximize, out):
+def _fade_(m: torch.Tensor, g: torch.Tensor, beta: float) -> None:
+    """m <- beta m where g == 0 (after the EMA: a stale coordinate's m decays by beta twice, its u by beta)."""
+    m.copy_(torch.where(g == 0, m * beta, m))
+
+
+def _single_tensor_encode(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, *, beta, weight, maximize, out, fade):
     us = []
     for i, (g, m, b) in enumerate(zip(grads, exp_avgs, exp_avg_abss)):
         m_out, b_out = (out.exp_avgs[i], out.exp_avg_abss[i]) if out is not None else (m, b)
@@ -516,6 +558,8 @@ def _single_tensor_encode(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, *, be
             g = -g
         torch.mul(m, beta, out=m_out).add_(g, alpha=weight)
         torch.mul(b, beta, out=b_out).add_(g.abs(), alpha=weight)
+        if fade is not None:
+            _fade_(m_out, g, fade)
         denom = b_out
         if max_exp_avg_abss is not None:
             bmax_out = out.max_exp_avg_abss[i] if out is not None else max_exp_avg_abss[i]
@@ -528,7 +572,7 @@ def _single_tensor_encode(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, *, be
     return us
 
 
-def _multi_tensor_encode(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, *, beta, weight, maximize, out):
+def _multi_tensor_encode(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, *, beta, weight, maximize, out, fade):
     if not grads:
         return []
     grads = [g.to(m.dtype) for g, m in zip(grads, exp_avgs)]
@@ -545,6 +589,9 @@ def _multi_tensor_encode(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, *, bet
     torch._foreach_add_(ms, grads, alpha=weight)
     torch._foreach_mul_(bs, beta)
     torch._foreach_add_(bs, torch._foreach_abs(grads), alpha=weight)
+    if fade is not None:
+        for m, g in zip(ms, grads):
+            _fade_(m, g, fade)
     denoms = bs
     if max_exp_avg_abss is not None:
         torch._foreach_maximum_(bmaxs, bs)

@@ -3,30 +3,31 @@
 Plain tensor arithmetic, one parameter at a time, no fused kernels: every line is one line of the
 update rule. It draws its bits from the same counter-based generator as :class:`birder_hf.Birder`
 (``random_int24``), so with the same seed both take the same random decisions. Where ``u`` is exactly 0 the
-direction is 0 (no coin: a coordinate whose gradient has always been 0 moves by weight decay only). ``lazy=True``
-sets ``u = 0`` where this step's gradient is exactly 0; ``lazy=False`` (the default, as in ``Birder``) is the paper's
-literal update.
+direction is 0 (no coin: a coordinate whose gradient has always been 0 moves by weight decay only). Where this
+step's gradient is exactly 0: ``stale="keep"`` is the paper's literal update, ``"fade"`` decays m once more and sets
+``u = 0`` where ``|u| < STALE_VOTE_MIN``, ``"lazy"`` sets ``u = 0`` (as ``Birder``'s ``stale``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .optim import DEFAULT_STALE, STALE_VOTE_MIN
 from .quantize import STAGE_WORKER, derive_key, random_int24
 
 __all__ = ["BirderReference"]
 
 
 class BirderReference:
-    """x <- x - lr * (Q(m / b) + wd * x), m and b EMAs of g and |g|, Q(0) = 0 (single process, rank 0); with lazy,
-    m / b is taken as 0 where g = 0."""
+    """x <- x - lr * (Q(m / b) + wd * x), m and b EMAs of g and |g|, Q(0) = 0 (single process, rank 0); ``stale`` as
+    in ``Birder``."""
 
     def __init__(
-        self, params, lr=1e-3, beta=0.95, weight_decay=0.0, *, quantize=True, amsgrad=False, lazy=False, seed=0
+        self, params, lr=1e-3, beta=0.95, weight_decay=0.0, *, quantize=True, amsgrad=False, stale=DEFAULT_STALE, seed=0
     ):
         self.params = list(params)
         self.lr, self.beta, self.wd = lr, beta, weight_decay
-        self.quantize, self.amsgrad, self.lazy, self.seed = quantize, amsgrad, lazy, seed
+        self.quantize, self.amsgrad, self.stale, self.seed = quantize, amsgrad, stale, seed
         self.m = [torch.zeros_like(p) for p in self.params]
         self.b = [torch.zeros_like(p) for p in self.params]
         self.b_max = [torch.zeros_like(p) for p in self.params]
@@ -41,13 +42,17 @@ class BirderReference:
             self.t[i] += 1
             self.m[i] = self.beta * self.m[i] + (1 - self.beta) * g
             self.b[i] = self.beta * self.b[i] + (1 - self.beta) * g.abs()
+            if self.stale == "fade":  # a stale coordinate's m decays once more: its u shrinks by beta
+                self.m[i] = torch.where(g == 0, self.m[i] * self.beta, self.m[i])
             b = self.b[i]
             if self.amsgrad:
                 self.b_max[i] = torch.maximum(self.b_max[i], self.b[i])
                 b = self.b_max[i]
             u = torch.where(b == 0, torch.zeros_like(b), self.m[i] / b)
-            if self.lazy:  # no gradient this step: no vote
+            if self.stale == "lazy":  # no gradient this step: no vote
                 u = torch.where(g == 0, torch.zeros_like(u), u)
+            elif self.stale == "fade":  # no gradient this step and a faded u: no vote
+                u = torch.where((g == 0) & (u.abs() < STALE_VOTE_MIN), torch.zeros_like(u), u)
             if self.quantize:
                 key = derive_key(self.seed, self.t[i], i, STAGE_WORKER, 0)
                 r = random_int24(u.numel(), key).view(u.shape).to(torch.float64)

@@ -68,7 +68,7 @@ from ..fsdp import register_birder_fsdp
 from ..hook import attach_ddp_hook
 from ..model_card import fix_trainer_card, model_card_section, optimizer_description
 from ..onebit_adam import OneBitAdam
-from ..optim import Birder
+from ..optim import DEFAULT_STALE, Birder
 from ..topology import Topology
 from .accelerate import check_really_distributed, report_skipped_step
 from .hsdp_trainer import HSDPTrainer, ShardedTrainerMixin
@@ -122,13 +122,14 @@ class BirderArguments:
         default=None, metadata={"help": "Elements per collective (bounds receive buffers; higher => fewer calls)."}
     )
     amsgrad: bool = field(default=False, metadata={"help": "Use max_t b_t (the theory's variant)."})
-    lazy: bool = field(
-        default=False,
+    stale: str = field(
+        default=DEFAULT_STALE,
         metadata={
-            "help": "A coordinate whose gradient is exactly 0 this step does not vote (no drift of stale "
-            "coordinates; opt-in: it slowed learning on the QA task); False: the paper's literal update."
+            "help": "A coordinate whose gradient is exactly 0 this step: fade (its vote fades by beta per such step "
+            "and stops: bounded drift) | lazy (no vote) | keep (the paper's literal update: it keeps moving)."
         },
     )
+    lazy: bool | None = field(default=None, metadata={"help": "Deprecated: --stale lazy (true) or keep (false)."})
     quantize: bool = field(
         default=True, metadata={"help": "Binary randomization; False sends u itself (one process only, a reference)."}
     )
@@ -154,6 +155,12 @@ class BirderArguments:
         if self.comm_method is not None:
             warnings.warn("BirderArguments(comm_method=...) is renamed method=...", FutureWarning, stacklevel=3)
             self.method, self.comm_method = self.comm_method, None
+        if self.lazy is not None:
+            warnings.warn('BirderArguments(lazy=...) is replaced by stale=...: lazy=True is stale="lazy", lazy=False '
+                          'is stale="keep"', FutureWarning, stacklevel=3)  # fmt: skip
+            if isinstance(self.lazy, bool):  # anything else is left for the rule below to refuse
+                self.stale = "lazy" if self.lazy else "keep"
+            self.lazy = None
         # the same rules as the objects these settings build (set from Python, a value may have any type)
         if self.optimizer not in self.optimizers:
             raise ValueError(f"optimizer={self.optimizer!r}; choose one of {', '.join(self.optimizers)}.")
@@ -162,7 +169,7 @@ class BirderArguments:
             "beta": Birder.settings["beta"],
             "freeze_step": OneBitAdam.settings["freeze_step"],
             "amsgrad": Birder.settings["amsgrad"],
-            "lazy": Birder.settings["lazy"],
+            "stale": Birder.settings["stale"],
             "quantize": Birder.settings["quantize"],
         }
         for name, rule in rules.items():
@@ -296,7 +303,7 @@ class BirderTrainerMixin(ShardedTrainerMixin):
                 )
             else:
                 cls, extra = Birder, dict(
-                    beta=b.beta, amsgrad=b.amsgrad, lazy=b.lazy, quantize=b.quantize, seed=a.seed
+                    beta=b.beta, amsgrad=b.amsgrad, stale=b.stale, quantize=b.quantize, seed=a.seed
                 )
             self.optimizer_cls_and_kwargs = (cls, dict(lr=a.learning_rate, weight_decay=a.weight_decay, **extra))
         return super().create_optimizer(model) if model is not None else super().create_optimizer()
