@@ -52,6 +52,11 @@ __all__ = [
 ]
 
 
+def explain(what: str, fix: str) -> str:
+    """An error message: what is wrong, then how to fix it (``"<what>; <fix>."``)."""
+    return f"{what}; {fix}."
+
+
 def is_sharded(t: torch.Tensor) -> bool:
     """Whether ``t`` is a ``DTensor`` (FSDP2's sharded parameters and gradients are)."""
     return hasattr(t, "placements") and hasattr(t, "to_local")
