@@ -86,7 +86,9 @@ def shard_model(model: torch.nn.Module, mesh, *, block_classes=None, **fully_sha
 
     names = set(block_classes if block_classes is not None else getattr(model, "_no_split_modules", None) or ())
     if not names:
-        raise ValueError(explain(f"shard_model: {type(model).__name__} has no _no_split_modules", "pass block_classes"))
+        raise ValueError(
+            explain(f"shard_model: {type(model).__name__} has no _no_split_modules", "pass block_classes=[...]")
+        )
     blocks = [m for m in model.modules() if type(m).__name__ in names and m is not model]
     if not blocks:
         raise ValueError(f"shard_model: {type(model).__name__} has no module of the classes {sorted(names)}.")
