@@ -25,13 +25,7 @@ Two communicators (``birder_hf.base``):
 Both key each element's random bits by its index in the full flattened parameter (``quantize.BitKeys`` offsets),
 and the drawing worker is the node: the bits depend on the shard layout only through which node draws them.
 
-Supported: FSDP2 (``fully_shard``) on ``mesh["shard"]``, ``Shard(0)`` placements (the default), any number of FSDP
-units, mixed precision, gradient accumulation with ``set_requires_gradient_sync(False)``. A 1-D mesh (FSDP over all
-ranks, no replicate dimension) is accepted: Birder then trains as one worker on the globally averaged gradient,
-nothing to compress (a warning says so). Refused at set-up, with the fix: native 2-D HSDP (``fully_shard`` on the
-2-D mesh: FSDP would all-reduce the gradient across nodes in full precision first), FSDP1, DDP (use
-``attach_ddp_hook``), DeepSpeed, tensor parallel or other DTensor layouts, parameters FSDP does not shard, CPU
-offload, 1-bit Adam.
+What runs and what is refused at set-up (with the fix): ``docs/SETUPS.md`` (sharded rows and 1-bit HSDP).
 
 Usage::
 

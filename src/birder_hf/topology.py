@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from .base import explain
-from .lifecycle import close_tracked, track_groups, untrack_groups, wait_for_callbacks
+from .lifecycle import track_groups, untrack_groups, wait_for_callbacks
 
 __all__ = ["Topology"]
 
@@ -348,13 +348,6 @@ class Topology:
         object.__setattr__(self, "owned_groups", ())
         object.__setattr__(self, "closed", True)
         untrack_groups(self)
-
-    @staticmethod
-    def close_open() -> None:
-        """Close every topology that built process groups and is still open (the exit handler calls it once the 1-bit
-        all-reduce's callbacks are released, so that no group of birder_hf's lives into the interpreter's
-        finalization)."""
-        close_tracked()
 
     def check_open(self) -> None:
         """Raise ``RuntimeError`` if :meth:`close` released this topology's groups."""
