@@ -3,24 +3,10 @@
 Paper: `Birder: Communication-Efficient 1-bit Adaptive Optimizer for Practical Distributed DNN
 Training` (Peng et al., NeurIPS 2023) - https://openreview.net/forum?id=Mlo2kM11ZB
 
-Two roles meet here (``docs/ARCHITECTURE.md`` draws them):
-
-- the **optimizer** (:class:`birder_hf.Birder`, :class:`birder_hf.OneBitAdam`) owns the per-parameter state;
-  it *encodes* each rank's gradient into what is sent (Birder: ``m, b -> u``) and *applies* the synchronized
-  direction (Birder: ``x <- x - lr (d + wd x)``);
-- a **communicator** turns the encoded values of every rank into that direction: none (one process: the
-  optimizer quantizes locally), a DDP communication hook (during backward), or the optimizer-side all-reduce
-  (inside ``step()``: loops without DDP, sharded parameters).
-
-The protocol, all public and documented:
-
-1. ``communicator.attach(optimizer)``, once; the optimizer refuses a second communicator.
-2. Communicators ask the optimizer for what they need: :meth:`OneBitOptimizer.param_index` (the stable id
-   that keys a parameter's random bits), :meth:`OneBitOptimizer.group_of`, ``optimizer.init_state(p, group)``,
-   and each optimizer's own encode/commit methods.
-3. ``optimizer.step()`` calls ``communicator.finish_step()``: the communicator agrees with the other ranks
-   that the step is valid, commits what it staged, and returns what the optimizer applies, or ``None``: every
-   rank skips the step, and state and parameters stay as they were.
+The optimizer (:class:`birder_hf.Birder`, :class:`birder_hf.OneBitAdam`) owns the per-parameter state, encodes
+each rank's gradient and applies the synchronized direction; a communicator turns every rank's encoded values into
+that direction. The protocol (attach once; public questions only; ``step()`` calls ``finish_step()``, which returns
+what to apply or ``None`` to skip the step on every rank) is in ``docs/ARCHITECTURE.md``, "The contract".
 
 This module never imports ``torch.distributed`` at import time.
 """
