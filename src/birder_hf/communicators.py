@@ -223,10 +223,8 @@ class HookState(Communicator):
     as with a gradient of None. Hooks that are not DDP's (FSDP's) agree in ``take_staged`` instead, over
     ``agree_group``.
 
-    fp16 loss scaling: after the hook ``.grad`` holds the direction, which ``GradScaler`` must not un-scale, so the
-    optimizer opts out of un-scaling (``_step_supports_amp_scaling``) on every valid step. On a non-finite step it
-    does not: the scaler un-scales, finds the NaN, skips ``step()`` (accelerate and the Trainer see a skipped step)
-    and backs the scale off; the next backward drops the staged state.
+    fp16 loss scaling (``GradScaler`` must not un-scale the direction in ``.grad``): ``docs/ARCHITECTURE.md``, "The
+    contract", item 5; the next backward drops the state a skipped step staged.
 
     Attributes:
         stats (`CommStats`): bytes this rank sent, all steps.
@@ -679,11 +677,8 @@ class StepAllReduce(Communicator):
 
     Sharded parameters (FSDP2's ``DTensor``) are encoded, all-reduced and updated on their local shards.
 
-    fp16 loss scaling (``GradScaler``): the agreement runs when the scaler asks ``_step_supports_amp_scaling``
-    (every rank asks once per step), before it looks for overflows: if any rank's gradient is non-finite, every
-    rank's ``.grad`` is filled with NaN, so every rank's scaler skips ``step()`` and backs off (the scales stay equal;
-    accelerate sees a skipped step). Otherwise the scaler hands ``step()`` the scaled gradients and their scale ``S``,
-    and the optimizer encodes ``g / S``: ``m`` and ``b`` are those of the unscaled run.
+    fp16 loss scaling: ``docs/ARCHITECTURE.md``, "The contract", item 5 (the agreement runs when the scaler asks
+    ``_step_supports_amp_scaling``; a valid step encodes ``g / S``, so ``m`` and ``b`` are those of the unscaled run).
     """
 
     def __init__(
