@@ -112,11 +112,8 @@ class Birder(OneBitOptimizer):
         quantize (`bool`, *optional*, defaults to `True`): binary randomization; ``False`` uses
             :math:`d = u` (single process only; a reference, not 1-bit).
         amsgrad (`bool`, *optional*, defaults to `False`): use :math:`\max_{s \le t} b_s` (the theory's variant).
-        stale (`str`, *optional*, defaults to `DEFAULT_STALE`): what a coordinate whose gradient is exactly 0 this
-            step does (above): ``"fade"`` (its vote fades by :math:`\beta` per such step and stops below
-            ``STALE_VOTE_MIN``), ``"lazy"`` (no vote) or ``"keep"`` (the paper's literal update: it keeps moving by
-            :math:`\eta` per step in its last direction, without end). ``docs/ALGORITHM.md``, "Coordinates that stop
-            receiving gradient".
+        stale (`str`, *optional*, defaults to `DEFAULT_STALE`): ``"fade"``, ``"lazy"`` or ``"keep"`` (the paper's),
+            as above; ``docs/ALGORITHM.md``, "Coordinates that stop receiving gradient".
         lazy (`bool`, *optional*): deprecated: ``lazy=True`` is ``stale="lazy"``, ``lazy=False`` is ``stale="keep"``.
         seed (`int`, *optional*): seed of the counter-based random bits, one per optimizer; by default
             ``torch.initial_seed()`` (the seed of ``torch.manual_seed``: runs are repeatable, two optimizers built
