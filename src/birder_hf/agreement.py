@@ -14,6 +14,7 @@ from collections import OrderedDict
 
 import torch
 
+from .base import explain
 from .settings import INTER_METHODS, METHODS
 from .topology import Topology
 from .wire import Wire
@@ -77,8 +78,8 @@ def agree(topo: Topology, signature: tuple, device: torch.device) -> None:
                 shown = [v if v else "None" for v in shown]
             differ.append(f"{field}: " + ", ".join(f"rank {r} {v}" for r, v in enumerate(shown)))
     raise ValueError(
-        "onebit_all_reduce: the ranks called it with different arguments (" + "; ".join(differ) + "), so their "
-        "collectives would not match (a rank would hang or read garbage); nothing was exchanged. Every rank must pass "
-        "u with the same number of elements and dtype, the same method, inter_method and chunk_numel, and a topology "
-        "of the same layout."
+        explain(
+            f"onebit_all_reduce: the ranks called it with different arguments ({'; '.join(differ)}); nothing was sent",
+            "pass u of the same number of elements and dtype, the same method and settings, and the same layout",
+        )
     )

@@ -3,24 +3,10 @@
 Paper: `Birder: Communication-Efficient 1-bit Adaptive Optimizer for Practical Distributed DNN
 Training` (Peng et al., NeurIPS 2023) - https://openreview.net/forum?id=Mlo2kM11ZB
 
-Two roles meet here (``docs/ARCHITECTURE.md`` draws them):
-
-- the **optimizer** (:class:`birder_hf.Birder`, :class:`birder_hf.OneBitAdam`) owns the per-parameter state;
-  it *encodes* each rank's gradient into what is sent (Birder: ``m, b -> u``) and *applies* the synchronized
-  direction (Birder: ``x <- x - lr (d + wd x)``);
-- a **communicator** turns the encoded values of every rank into that direction: none (one process: the
-  optimizer quantizes locally), a DDP communication hook (during backward), or the optimizer-side all-reduce
-  (inside ``step()``: loops without DDP, sharded parameters).
-
-The protocol, all public and documented:
-
-1. ``communicator.attach(optimizer)``, once; the optimizer refuses a second communicator.
-2. Communicators ask the optimizer for what they need: :meth:`OneBitOptimizer.param_index` (the stable id
-   that keys a parameter's random bits), :meth:`OneBitOptimizer.group_of`, ``optimizer.init_state(p, group)``,
-   and each optimizer's own encode/commit methods.
-3. ``optimizer.step()`` calls ``communicator.finish_step()``: the communicator agrees with the other ranks
-   that the step is valid, commits what it staged, and returns what the optimizer applies, or ``None``: every
-   rank skips the step, and state and parameters stay as they were.
+The optimizer (:class:`birder_hf.Birder`, :class:`birder_hf.OneBitAdam`) owns the per-parameter state, encodes
+each rank's gradient and applies the synchronized direction; a communicator turns every rank's encoded values into
+that direction. The protocol (attach once; public questions only; ``step()`` calls ``finish_step()``, which returns
+what to apply or ``None`` to skip the step on every rank) is in ``docs/ARCHITECTURE.md``, "The contract".
 
 This module never imports ``torch.distributed`` at import time.
 """
@@ -52,6 +38,11 @@ __all__ = [
 ]
 
 
+def explain(what: str, fix: str) -> str:
+    """An error message: what is wrong, then how to fix it (``"<what>; <fix>."``)."""
+    return f"{what}; {fix}."
+
+
 def is_sharded(t: torch.Tensor) -> bool:
     """Whether ``t`` is a ``DTensor`` (FSDP2's sharded parameters and gradients are)."""
     return hasattr(t, "placements") and hasattr(t, "to_local")
@@ -77,8 +68,10 @@ def shard_offset(p: torch.Tensor) -> int:
         return 0
     if len(shards) > 1 or shards[0][1].dim != 0:
         raise ValueError(
-            f"Birder supports sharded parameters with one Shard(0) placement (FSDP2's default), got {p.placements} "
-            f"for a parameter of shape {tuple(p.shape)}; drop shard_placement_fn from fully_shard."
+            explain(
+                f"Birder supports one Shard(0) placement (FSDP2's), got {p.placements} for shape {tuple(p.shape)}",
+                "drop shard_placement_fn from fully_shard",
+            )
         )
     mesh_dim = shards[0][0]
     n, i = p.device_mesh.size(mesh_dim), p.device_mesh.get_local_rank(mesh_dim)
@@ -236,9 +229,11 @@ class OneBitOptimizer(Optimizer):
     def attach_communicator(self, communicator: Communicator) -> None:
         if self._communicator is not None:
             raise ValueError(
-                f"This {type(self).__name__} optimizer already has a communicator "
-                f"({type(self._communicator).__name__}): register the hook once per model and optimizer, and do not "
-                "also pass process_group=/topology= to an optimizer whose model has the hook."
+                explain(
+                    f"This {type(self).__name__} optimizer already has a communicator "
+                    f"({type(self._communicator).__name__})",
+                    "register one hook per model and optimizer, and no process_group=/topology= with it",
+                )
             )
         self._communicator = communicator
 
@@ -371,9 +366,10 @@ class OneBitOptimizer(Optimizer):
             g = p.grad
             if g is not None and tuple(local_tensor(g).shape) != tuple(local_tensor(p).shape):
                 raise RuntimeError(
-                    f"A parameter of shape {tuple(p.shape)} has a gradient of shape {tuple(g.shape)}: the parameter "
-                    "was replaced or resized after backward. Resize the model before backward (and before creating "
-                    f"the optimizer); nothing was stepped by {type(self).__name__}."
+                    explain(
+                        f"A parameter of shape {tuple(p.shape)} has a gradient of shape {tuple(g.shape)}",
+                        "resize the model before creating the optimizer; nothing was stepped",
+                    )
                 )
         for p in params:
             st = self.state.get(p)
@@ -382,10 +378,11 @@ class OneBitOptimizer(Optimizer):
             m, x = st.get("exp_avg"), local_tensor(p)
             if m is not None and (m.shape != x.shape or m.device != x.device):
                 raise RuntimeError(
-                    f"A parameter of shape {tuple(p.shape)} on {p.device} has {type(self).__name__} state of shape "
-                    f"{tuple(m.shape)} on {m.device}: the model changed after the optimizer state was made. Move or "
-                    "resize the model before creating the optimizer (or before load_state_dict, which moves state to "
-                    "the parameters)."
+                    explain(
+                        f"A parameter of shape {tuple(p.shape)} on {p.device} has {type(self).__name__} state of "
+                        f"shape {tuple(m.shape)} on {m.device}",
+                        "move or resize the model before creating the optimizer (or before load_state_dict)",
+                    )
                 )
 
     # ------------------------------------------------------------------------------------ state dicts
@@ -481,8 +478,10 @@ class OneBitOptimizer(Optimizer):
         for i, p in enumerate(params):
             if id(p) in seen:
                 raise ValueError(
-                    f"Parameter {i}{where} (shape {tuple(p.shape)}) appears twice in the group; {name} would step it "
-                    "twice per step(). Pass each parameter once (e.g. list(dict.fromkeys(params)))."
+                    explain(
+                        f"Parameter {i}{where} (shape {tuple(p.shape)}) appears twice in the group",
+                        "Pass each parameter once (list(dict.fromkeys(params)))",
+                    )
                 )
             seen.add(id(p))
 
@@ -518,8 +517,11 @@ class OneBitOptimizer(Optimizer):
         saved_groups, states = state_dict["param_groups"], state_dict["state"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(
-                f"The state dict being loaded has {len(saved_groups)} param groups, this {name} has "
-                f"{len(self.param_groups)}: build the optimizer with the same param groups as the one that was saved."
+                explain(
+                    f"The state dict being loaded has {len(saved_groups)} param groups, this {name} has "
+                    f"{len(self.param_groups)}",
+                    "build the optimizer with the param groups of the one saved",
+                )
             )
         foreign = _foreign_optimizer(saved_groups, states, self)
         for i, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
@@ -528,21 +530,27 @@ class OneBitOptimizer(Optimizer):
                 raise ValueError(f"Param group {i} of the state dict being loaded is not a dict with a 'params' list.")
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(
-                    f"Param group {i} of the state dict being loaded has {len(saved['params'])} parameters, this "
-                    f"{name}'s has {len(group['params'])}: load the state of the same model and param groups."
+                    explain(
+                        f"Param group {i} of the state dict being loaded has {len(saved['params'])} parameters, this "
+                        f"{name}'s has {len(group['params'])}",
+                        "load the state of the same model and param groups",
+                    )
                 )
             missing = [k for k in self.settings if k not in saved and k not in self.optional_settings]
             if foreign:
                 raise ValueError(
-                    f"The state dict being loaded looks like the state of {foreign}, not of {name}"
-                    f"{f' (param group {i} lacks {missing})' if missing else ''}. {name} cannot continue from another "
-                    f"optimizer's state: load only the model's weights and let {name} start from zero state."
+                    explain(
+                        f"The state dict being loaded looks like the state of {foreign}, not of {name}"
+                        f"{f' (param group {i} lacks {missing})' if missing else ''}",
+                        f"load only the model's weights and let {name} start from zero state",
+                    )
                 )
             if missing:
                 raise ValueError(
-                    f"Param group {i} of the state dict being loaded lacks {name}'s settings {missing}: it was not "
-                    f"written by {name}.state_dict(). Load the state dict {name} saved (per rank: "
-                    "birder_hf.checkpoint.load_rank_state)."
+                    explain(
+                        f"Param group {i} of the state dict being loaded lacks {name}'s settings {missing}",
+                        f"load the state dict {name} saved (per rank: birder_hf.checkpoint.load_rank_state)",
+                    )
                 )
             self._check_settings(saved, where)
         saved_ids = [i for g in saved_groups for i in g["params"]]
@@ -557,10 +565,11 @@ class OneBitOptimizer(Optimizer):
         ]
         if stray:
             raise ValueError(
-                f"The state dict being loaded has {name} state under keys {sorted(stray, key=str)[:5]} that none of "
-                f"its param groups lists (they list {sorted(ids, key=str)[:5]}{' ...' if len(ids) > 5 else ''}); nothing "
-                f"was loaded. Load a state dict that {name}.state_dict() wrote, unchanged (keys renamed or converted, "
-                "e.g. to strings by JSON, would load as zero state)."
+                explain(
+                    f"The state dict being loaded has {name} state under keys {sorted(stray, key=str)[:5]} that none "
+                    f"of its param groups lists (they list {sorted(ids, key=str)[:5]}{' ...' * (len(ids) > 5)})",
+                    f"load what {name}.state_dict() wrote, keys unchanged; nothing was loaded",
+                )
             )
         self._check_shards(state_dict, saved_ids, [p for g in self.param_groups for p in g["params"]])
         for i, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
@@ -572,9 +581,11 @@ class OneBitOptimizer(Optimizer):
                 problem = self._state_problem(p, state, settings) if isinstance(state, dict) else "is not a dict"
                 if problem is not None:
                     raise ValueError(
-                        f"The state of parameter {j} (shape {tuple(p.shape)}) in param group {i} of the state dict "
-                        f"being loaded {problem}; nothing was loaded. Load a state dict that {name}.state_dict() "
-                        "wrote for this model (per rank: birder_hf.checkpoint.load_rank_state)."
+                        explain(
+                            f"The state of parameter {j} (shape {tuple(p.shape)}) in param group {i} of the state "
+                            f"dict being loaded {problem}; nothing was loaded",
+                            f"load what {name}.state_dict() wrote for this model",
+                        )
                     )
 
     def _check_shards(self, state_dict: dict, saved_ids: list, params: list) -> None:
@@ -587,11 +598,11 @@ class OneBitOptimizer(Optimizer):
             record = None if record is None else tuple(int(v) for v in record)
             if (is_sharded(p) or record is not None) and record != shard_record(p):
                 raise ValueError(
-                    f"{type(self).__name__}.load_state_dict: the state of parameter {index} (shape {tuple(p.shape)}) "
-                    f"was saved for {_describe_shard(record)} on this rank, but this rank now holds "
-                    f"{_describe_shard(shard_record(p))}. Sharded m and b belong to one shard of one node: resume on "
-                    "the same mesh shape (replicate x shard) with the same fully_shard wrapping and rank order. "
-                    "Nothing was loaded."
+                    explain(
+                        f"{type(self).__name__}.load_state_dict: parameter {index}'s state (shape {tuple(p.shape)}) "
+                        f"is for {_describe_shard(record)}, this rank holds {_describe_shard(shard_record(p))}",
+                        "resume on the same mesh shape, wrapping and rank order. Nothing was loaded",
+                    )
                 )
 
 

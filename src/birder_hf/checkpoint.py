@@ -42,7 +42,7 @@ import warnings
 
 import torch
 
-from .base import OneBitOptimizer, unwrap_optimizer
+from .base import OneBitOptimizer, explain, unwrap_optimizer
 
 RankLocalState = OneBitOptimizer  # deprecated alias: the rank-local state handling moved to birder_hf.base
 
@@ -83,9 +83,10 @@ def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]
             raise ValueError(f"Invalid {name}={value!r}: {name} must be an int.")
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(
-            f"Invalid rank={rank!r} with world_size={world_size!r}: a rank lies in [0, world_size) (world_size >= 1). "
-            "Pass this process's rank and the number of processes (accelerator.process_index / num_processes, "
-            "args.process_index / world_size), or leave both None to take them from torch.distributed."
+            explain(
+                f"Invalid rank={rank!r} with world_size={world_size!r}: a rank lies in [0, world_size)",
+                "pass accelerator.process_index and num_processes, or leave both None (torch.distributed's)",
+            )
         )
     return int(rank), int(world_size)
 
@@ -194,9 +195,10 @@ def read_rank_state(
     saved_world = _saved_world_size(checkpoint_dir)
     if saved_world is None:
         raise FileNotFoundError(
-            f"No Birder per-rank optimizer state under {os.path.join(checkpoint_dir, SUBDIR)}. Birder's state is "
-            "rank-local and is saved by birder_hf (BirderTrainer, register_birder_hook or save_rank_state); resume "
-            "from a checkpoint written that way, or start a fresh run."
+            explain(
+                f"No Birder per-rank optimizer state under {os.path.join(checkpoint_dir, SUBDIR)} (it is rank-local)",
+                "resume from a checkpoint birder_hf saved (save_rank_state), or start a fresh run",
+            )
         )
     source = rank if saved_world == world_size else rank % saved_world
     if saved_world != world_size:

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .base import Communicator, OneBitOptimizer, Update, all_finite, local_tensor, state_dtype
+from .base import Communicator, OneBitOptimizer, Update, all_finite, explain, local_tensor, state_dtype
 from .collectives import check_agreement, onebit_all_reduce
 from .lifecycle import then
 from .settings import DEFAULT_METHOD, CommSettings, check_settings
@@ -89,7 +89,9 @@ def communicator_settings(kind: str, optimizer, layout: tuple[int, int], **own) 
     return out
 
 
-def agree_setup(group, settings: dict | None, error: Exception | None = None, *, what: str, fix: str = "") -> None:
+def agree_setup(
+    group, settings: dict | None, error: Exception | None = None, *, what: str, fix: str = "pass the same settings"
+) -> None:
     """Agree a communicator's set-up with every rank of ``group``; raise on every rank, or on none.
 
     Collective (one ``all_gather_object``) over ``group``, which every member calls at the same point of its set-up,
@@ -121,10 +123,7 @@ def agree_setup(group, settings: dict | None, error: Exception | None = None, *,
         shown = "; ".join(
             f"{k}: " + ", ".join(f"rank {r} {_shown(row.get(k))}" for r, row in enumerate(rows)) for k in differ[:4]
         )
-        raise ValueError(
-            f"{what}: the ranks were set up differently ({shown}). {fix or 'Every rank must pass the same settings'}"
-            " (the replicas would drift apart, or the ranks' collectives would not match); nothing was set up."
-        )
+        raise ValueError(explain(f"{what}: the ranks were set up differently ({shown})", f"{fix}; nothing was set up"))
 
 
 def _shown(value) -> str:
@@ -224,10 +223,8 @@ class HookState(Communicator):
     as with a gradient of None. Hooks that are not DDP's (FSDP's) agree in ``take_staged`` instead, over
     ``agree_group``.
 
-    fp16 loss scaling: after the hook ``.grad`` holds the direction, which ``GradScaler`` must not un-scale, so the
-    optimizer opts out of un-scaling (``_step_supports_amp_scaling``) on every valid step. On a non-finite step it
-    does not: the scaler un-scales, finds the NaN, skips ``step()`` (accelerate and the Trainer see a skipped step)
-    and backs the scale off; the next backward drops the staged state.
+    fp16 loss scaling (``GradScaler`` must not un-scale the direction in ``.grad``): ``docs/ARCHITECTURE.md``, "The
+    contract", item 5; the next backward drops the state a skipped step staged.
 
     Attributes:
         stats (`CommStats`): bytes this rank sent, all steps.
@@ -285,11 +282,7 @@ class HookState(Communicator):
             self._check_setup(optimizer, topology)
             check_grad_scaler(grad_scaler)
             if grad_scaler is not None and not self.loss_scale_invariant:
-                raise ValueError(
-                    f"{self.hook_name} cannot train with fp16 loss scaling (GradScaler): the hook encodes the "
-                    f"gradients of the backward pass, and {type(optimizer).__name__}'s update depends on their scale. "
-                    "Use bf16 (or fp32)."
-                )
+                raise ValueError(explain(f"{self.hook_name} cannot train with fp16 loss scaling", "use bf16"))
             if not dist.is_available() or not dist.is_initialized():
                 raise RuntimeError(f"{self.hook_name} needs torch.distributed to be initialized (init_process_group).")
             nodes = (1, dist.get_world_size()) if topology is None else (topology.num_nodes, topology.local_world_size)
@@ -302,8 +295,7 @@ class HookState(Communicator):
             settings,
             error,
             what=type(self).__name__,
-            fix=f"Every rank must build its hook state with the same settings, and its "
-            f"{type(optimizer).__name__} with the same parameters and settings",
+            fix=f"build every rank's hook state and {type(optimizer).__name__} with the same parameters and settings",
         )
         self.grad_scaler, self._scale, self._skipping = grad_scaler, None, False
         self.topology = topology if topology is not None else Topology.flat()
@@ -345,8 +337,10 @@ class HookState(Communicator):
             )
         if optimizer.communicator is not None:
             raise ValueError(
-                f"This {type(optimizer).__name__} optimizer already has a hook state (the hook was registered before) "
-                f"or a communicator; register {self.hook_name} once per model and optimizer."
+                explain(
+                    f"This {type(optimizer).__name__} optimizer already has a hook state or a communicator",
+                    f"register {self.hook_name} once per model and optimizer",
+                )
             )
         if topology is not None and not isinstance(topology, Topology):
             raise TypeError(f"topology must be a birder_hf.Topology, got {type(topology).__name__}.")
@@ -383,8 +377,10 @@ class HookState(Communicator):
 
     def __getstate__(self):
         raise TypeError(
-            f"{type(self).__name__} holds process groups and is not saved; save the optimizer with "
-            "birder_hf.checkpoint.save_rank_state and create a new hook state after loading."
+            explain(
+                f"{type(self).__name__} holds process groups and is not saved",
+                "save the optimizer (birder_hf.checkpoint.save_rank_state) and build a new hook state after loading",
+            )
         )
 
     def close(self) -> None:
@@ -412,15 +408,17 @@ class HookState(Communicator):
             group = opt.group_of(p)
             if group is None:
                 raise RuntimeError(
-                    f"A DDP parameter of shape {tuple(p.shape)} is not in the {type(opt).__name__} optimizer; every "
-                    f"parameter that gets gradients must be optimized by the {type(opt).__name__} instance the hook "
-                    "state was built with."
+                    explain(
+                        f"A DDP parameter of shape {tuple(p.shape)} is not in the {type(opt).__name__} optimizer",
+                        "build the optimizer from every parameter that gets gradients",
+                    )
                 )
             if p in self._pending:
                 raise RuntimeError(
-                    f"{self.hook_name} saw the same parameter twice before optimizer.step(): for gradient "
-                    "accumulation wrap the micro-batches before the last in model.no_sync() (or use "
-                    "accelerator.accumulate)."
+                    explain(
+                        f"{self.hook_name} saw the same parameter twice before optimizer.step()",
+                        "accumulate in model.no_sync() (or accelerator.accumulate) on all but the last micro-batch",
+                    )
                 )
             items.append(self._bucket_grad(bucket.index(), buffer, p, group, offset))
             offset += p.numel()
@@ -554,14 +552,13 @@ class HookState(Communicator):
         """Called by ``step()`` when a ``GradScaler`` left ``.grad`` to the optimizer: refuse what would go wrong."""
         opt = self.optimizer
         if not self.loss_scale_invariant:
-            raise RuntimeError(
-                f"{self.hook_name} cannot train with fp16 loss scaling (GradScaler): the hook encodes the scaled "
-                f"gradients, and {type(opt).__name__}'s update depends on their scale. Use bf16 (or fp32)."
-            )
+            raise RuntimeError(explain(f"{self.hook_name} cannot train with fp16 loss scaling", "use bf16 (or fp32)"))
         if not self.check_finite:
             raise ValueError(
-                f"{type(self).__name__}(check_finite=False) cannot train with a GradScaler: an overflow would be "
-                "applied instead of skipped and the scale would never back off. Keep check_finite=True."
+                explain(
+                    f"{type(self).__name__}(check_finite=False) would apply a GradScaler's overflow steps",
+                    "keep check_finite=True",
+                )
             )
         scale = getattr(opt, "grad_scale", None)
         if scale is not None and self._pending and float(scale) != self.loss_scale():
@@ -569,18 +566,18 @@ class HookState(Communicator):
             self._close_step()  # drop the step: the next backward starts clean
             self._verdict = None
             raise RuntimeError(
-                f"{self.hook_name} encoded this step's gradients at loss scale {used:g}, but the GradScaler stepping "
-                f"{type(opt).__name__} scaled the loss by {float(scale):g}: give the hook the GradScaler that scales "
-                "the loss (grad_scaler= of attach_ddp_hook / BirderHookState / register_birder_fsdp; accelerate's "
-                "register_birder_hook, BirderTrainer and BirderDDPStrategy pass theirs), so that m and b stay in the "
-                "gradient's unit when the scale changes. Nothing was applied."
+                explain(
+                    f"{self.hook_name} encoded this step's gradients at loss scale {used:g}, but the GradScaler "
+                    f"stepping {type(opt).__name__} scaled the loss by {float(scale):g}",
+                    "pass that GradScaler as the hook's grad_scaler=. Nothing was applied",
+                )
             )
         if scale is None:
             raise RuntimeError(
-                "GradScaler.unscale_ ran before step() (accelerator.clip_grad_norm_ and clip_grad_value_ call it): it "
-                f"divided .grad by the loss scale, but after {self.hook_name} .grad holds the direction d, not a "
-                "gradient. Do not unscale or clip with the 1-bit hook: a step moves a coordinate by at most "
-                "lr * (1 + weight_decay * |x|) by construction."
+                explain(
+                    f"GradScaler.unscale_ (clip_grad_norm_ calls it) ran on {self.hook_name}'s direction in .grad",
+                    "Do not unscale or clip with the 1-bit hook (a step is bounded by lr already)",
+                )
             )
 
     def _close_step(self) -> dict[torch.Tensor, Staged]:
@@ -627,9 +624,10 @@ class HookState(Communicator):
         if unseen:
             p = unseen[0]
             raise RuntimeError(
-                f"A parameter of shape {tuple(p.shape)} has a gradient but {self.hook_name} did not see it: every "
-                f"parameter {type(self.optimizer).__name__} optimizes must belong to {self.wrapped_name} the hook "
-                "is registered on."
+                explain(
+                    f"A parameter of shape {tuple(p.shape)} has a gradient but {self.hook_name} did not see it",
+                    f"optimize only parameters of {self.wrapped_name} the hook is registered on",
+                )
             )
         for p in unused:  # no rank computed a gradient for it: no step, as for a gradient of None
             del pending[p]
@@ -679,11 +677,8 @@ class StepAllReduce(Communicator):
 
     Sharded parameters (FSDP2's ``DTensor``) are encoded, all-reduced and updated on their local shards.
 
-    fp16 loss scaling (``GradScaler``): the agreement runs when the scaler asks ``_step_supports_amp_scaling``
-    (every rank asks once per step), before it looks for overflows: if any rank's gradient is non-finite, every
-    rank's ``.grad`` is filled with NaN, so every rank's scaler skips ``step()`` and backs off (the scales stay equal;
-    accelerate sees a skipped step). Otherwise the scaler hands ``step()`` the scaled gradients and their scale ``S``,
-    and the optimizer encodes ``g / S``: ``m`` and ``b`` are those of the unscaled run.
+    fp16 loss scaling: ``docs/ARCHITECTURE.md``, "The contract", item 5 (the agreement runs when the scaler asks
+    ``_step_supports_amp_scaling``; a valid step encodes ``g / S``, so ``m`` and ``b`` are those of the unscaled run).
     """
 
     def __init__(
@@ -763,8 +758,10 @@ class StepAllReduce(Communicator):
                 else:
                     if process_group is getattr(dist.GroupMember, "NON_GROUP_MEMBER", object()):
                         raise ValueError(
-                            "This process is not a member of process_group (new_group() returned it the non-member "
-                            "marker): build the optimizer with process_group= only on the group's ranks."
+                            explain(
+                                "This process is not a member of process_group",
+                                "pass process_group= only on the group's ranks",
+                            )
                         )
                     if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
                         raise TypeError(
@@ -780,8 +777,7 @@ class StepAllReduce(Communicator):
             settings,
             error,
             what=what,
-            fix=f"Every rank must build its {type(optimizer).__name__} with the same parameters and settings, and the "
-            "same process_group/topology and method",
+            fix=f"build every rank's {type(optimizer).__name__} with the same parameters and settings",
         )
         return comm
 

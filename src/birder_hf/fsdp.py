@@ -25,13 +25,7 @@ Two communicators (``birder_hf.base``):
 Both key each element's random bits by its index in the full flattened parameter (``quantize.BitKeys`` offsets),
 and the drawing worker is the node: the bits depend on the shard layout only through which node draws them.
 
-Supported: FSDP2 (``fully_shard``) on ``mesh["shard"]``, ``Shard(0)`` placements (the default), any number of FSDP
-units, mixed precision, gradient accumulation with ``set_requires_gradient_sync(False)``. A 1-D mesh (FSDP over all
-ranks, no replicate dimension) is accepted: Birder then trains as one worker on the globally averaged gradient,
-nothing to compress (a warning says so). Refused at set-up, with the fix: native 2-D HSDP (``fully_shard`` on the
-2-D mesh: FSDP would all-reduce the gradient across nodes in full precision first), FSDP1, DDP (use
-``attach_ddp_hook``), DeepSpeed, tensor parallel or other DTensor layouts, parameters FSDP does not shard, CPU
-offload, 1-bit Adam.
+What runs and what is refused at set-up (with the fix): ``docs/SETUPS.md`` (sharded rows and 1-bit HSDP).
 
 Usage::
 
@@ -53,7 +47,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .base import Update, is_sharded, local_tensor, shard_offset, unwrap_optimizer
+from .base import Update, explain, is_sharded, local_tensor, shard_offset, unwrap_optimizer
 from .communicators import StepAllReduce, UsageMarks
 from .hook import BirderHookState
 from .optim import Birder
@@ -87,8 +81,7 @@ def shard_model(model: torch.nn.Module, mesh, *, block_classes=None, **fully_sha
     names = set(block_classes if block_classes is not None else getattr(model, "_no_split_modules", None) or ())
     if not names:
         raise ValueError(
-            f"shard_model: name the block classes of {type(model).__name__} to shard one by one "
-            "(block_classes=[...]); it has no _no_split_modules."
+            explain(f"shard_model: {type(model).__name__} has no _no_split_modules", "pass block_classes=[...]")
         )
     blocks = [m for m in model.modules() if type(m).__name__ in names and m is not model]
     if not blocks:
@@ -137,13 +130,11 @@ def fsdp_units(model: torch.nn.Module) -> list[FSDPUnit]:
                 fp.sharded_param  # noqa: B018  (fail here, not in the first backward, if torch moved it)
         except AttributeError as exc:  # pragma: no cover - a torch whose FSDP2 internals moved
             raise RuntimeError(
-                f"birder_hf.fsdp cannot read this torch version's FSDP2 parameter order ({exc}); register with "
-                "in_backward=False (the 1-bit all-reduce then runs in optimizer.step())."
+                explain(f"birder_hf.fsdp cannot read this torch's FSDP2 internals ({exc})", "pass in_backward=False")
             ) from exc
         if len(groups) > 1:
             raise ValueError(
-                f"{type(module).__name__} has {len(groups)} FSDP parameter groups (shard_placement_fn with per-"
-                "parameter meshes); Birder needs one per fully_shard call: drop shard_placement_fn."
+                explain(f"{type(module).__name__} has {len(groups)} FSDP parameter groups", "drop shard_placement_fn")
             )
         if groups and groups[0].fsdp_params:
             units.append(FSDPUnit(module, groups[0].fsdp_params))
@@ -219,24 +210,27 @@ class FSDPHookState(BirderHookState):
         expected = sum(n for _, n in layout)
         if reduce_output.numel() != expected:
             raise RuntimeError(
-                f"birder_fsdp_hook: {type(unit.module).__name__}'s reduce-scatter output has {reduce_output.numel()} "
-                f"elements, its parameters that require grad take {expected}. Did requires_grad change after "
-                "register_birder_fsdp, did a parameter get no gradient (a torch without "
-                "set_reduce_scatter_unused_params leaves it out), or was set_reduce_scatter_unused_params(False) "
-                "called?"
+                explain(
+                    f"birder_fsdp_hook: {type(unit.module).__name__}'s reduce-scatter output has "
+                    f"{reduce_output.numel()} elements, its trainable parameters {expected}",
+                    "keep requires_grad as at register_birder_fsdp and set_reduce_scatter_unused_params(True)",
+                )
             )
         params, grads, offset = [], [], 0
         for p, taken in layout:
             if opt.group_of(p) is None:
                 raise RuntimeError(
-                    f"An FSDP parameter of shape {tuple(p.shape)} is not in the Birder optimizer; build the optimizer "
-                    "from the sharded model's parameters (after fully_shard) and pass that model to "
-                    "register_birder_fsdp."
+                    explain(
+                        f"An FSDP parameter of shape {tuple(p.shape)} is not in the Birder optimizer",
+                        "build the optimizer from the sharded model's parameters, after fully_shard",
+                    )
                 )
             if p in self._pending:
                 raise RuntimeError(
-                    "birder_fsdp_hook saw the same parameter twice before optimizer.step(): for gradient accumulation "
-                    "call model.set_requires_gradient_sync(False) for the micro-batches before the last."
+                    explain(
+                        "birder_fsdp_hook saw the same parameter twice before optimizer.step()",
+                        "accumulate with model.set_requires_gradient_sync(False) on all but the last micro-batch",
+                    )
                 )
             x = local_tensor(p)
             params.append(p)
@@ -288,21 +282,23 @@ def _refuse_wrappers(model) -> torch.nn.Module:
     name = type(inner).__name__
     if isinstance(inner, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(
-            "register_birder_fsdp got a DistributedDataParallel model; for DDP register the 1-bit DDP hook with "
-            "birder_hf.hook.attach_ddp_hook(model, optimizer) (or register_birder_hook under accelerate)."
+            explain(
+                "register_birder_fsdp got a DistributedDataParallel model",
+                "use birder_hf.hook.attach_ddp_hook(model, optimizer) (accelerate: register_birder_hook)",
+            )
         )
     if isinstance(inner, FullyShardedDataParallel) or any(
         isinstance(m, FullyShardedDataParallel) for m in inner.modules()
     ):
         raise TypeError(
-            "register_birder_fsdp supports FSDP2 (torch.distributed.fsdp.fully_shard), not FSDP1 "
-            "(FullyShardedDataParallel); wrap the model with fully_shard(module, mesh=mesh['shard']) instead "
-            "(accelerate: fsdp_version: 2)."
+            explain(
+                "register_birder_fsdp supports FSDP2 (fully_shard), not FSDP1 (FullyShardedDataParallel)",
+                "wrap with fully_shard(module, mesh=mesh['shard']) (accelerate: fsdp_version: 2)",
+            )
         )
     if "DeepSpeed" in name:
         raise TypeError(
-            "Birder does not run under DeepSpeed (ZeRO shards and reduces gradients itself); use FSDP2 with "
-            "register_birder_fsdp, or DDP with the 1-bit DDP hook."
+            explain("Birder does not run under DeepSpeed (ZeRO reduces gradients itself)", "use FSDP2 or DDP")
         )
     return inner
 
@@ -312,9 +308,11 @@ def _shard_grid(mesh) -> list[list[int]]:
     ndim = getattr(mesh, "ndim", None)
     if ndim not in (1, 2) or not hasattr(mesh, "mesh"):
         raise ValueError(
-            f"register_birder_fsdp needs the 2-D (replicate, shard) DeviceMesh the model was sharded on, got "
-            f"{type(mesh).__name__}{'' if ndim is None else f' of {ndim} dimensions'}; build it with "
-            'init_device_mesh(device, (num_nodes, ranks_per_node), mesh_dim_names=("replicate", "shard")).'
+            explain(
+                f"register_birder_fsdp needs a 2-D (replicate, shard) DeviceMesh, got {type(mesh).__name__}"
+                f"{'' if ndim is None else f' of {ndim} dimensions'}",
+                "build it with birder_hf.fsdp.hsdp_mesh(num_nodes)",
+            )
         )
     grid = mesh.mesh.tolist()
     return grid if ndim == 2 else [grid]
@@ -334,34 +332,35 @@ def _check_model(model, optimizer: Birder, grid: list[list[int]]) -> None:
         where = f"parameter {name!r} (shape {tuple(p.shape)})"
         if not is_sharded(p):
             raise ValueError(
-                f"{where} is not sharded by FSDP2 (ignored_params, or a module fully_shard did not reach): its "
-                "gradient would stay rank-local. Apply fully_shard to the root module too, or freeze it."
+                explain(f"{where} is not sharded by FSDP2: its gradient would stay rank-local", "shard the root too")
             )
         mesh = p.device_mesh
         if mesh.ndim != 1:
             raise ValueError(
-                f"{where} lives on a {mesh.ndim}-D mesh with placements {p.placements}: native 2-D HSDP "
-                "(fully_shard(..., mesh=mesh)) all-reduces gradients across the replicate dimension in full "
-                "precision before Birder sees them, and tensor parallel is not supported. Shard on the node only: "
-                "fully_shard(module, mesh=mesh['shard']) for every unit (birder_hf.fsdp.shard_model(model, "
-                "mesh['shard'])); with the HF Trainer use BirderArguments(sharding='hsdp'), which does it."
+                explain(
+                    f"{where} is on a {mesh.ndim}-D mesh ({p.placements}): native 2-D HSDP reduces in full precision",
+                    "shard on the node: shard_model(model, mesh['shard']) (Trainer: BirderArguments(sharding='hsdp'))",
+                )
             )
         ranks = mesh.mesh.tolist()
         if ranks != row:
             raise ValueError(
-                f"{where} is sharded over ranks {ranks}, but this rank's node in the mesh holds {row}: shard with "
-                "fully_shard(module, mesh=mesh['shard']) on the mesh passed to register_birder_fsdp."
+                explain(
+                    f"{where} is sharded over ranks {ranks}, but this rank's node in the mesh holds {row}",
+                    "shard with fully_shard(module, mesh=mesh['shard']) on this mesh",
+                )
             )
         if p.device.type != mesh.device_type:
             raise ValueError(
-                f"{where} is on {p.device} but the mesh is on {mesh.device_type}: FSDP's CPU offload is not "
-                "supported by Birder (its m, b and u live with the reduce-scatter output); drop offload_policy."
+                explain(f"{where} is on {p.device} but the mesh on {mesh.device_type}", "drop offload_policy")
             )
         shard_offset(p)  # raises for placements other than Shard(0)
         if optimizer.group_of(p) is None:
             raise ValueError(
-                f"{where} requires grad but is not in the Birder optimizer; build the optimizer from the sharded "
-                "model's parameters, after fully_shard."
+                explain(
+                    f"{where} requires grad but is not in the Birder optimizer",
+                    "build the optimizer from the sharded model's parameters, after fully_shard",
+                )
             )
 
 
@@ -415,8 +414,10 @@ def register_birder_fsdp(
         raise TypeError(f"register_birder_fsdp needs a birder_hf.Birder optimizer, got {type(opt).__name__}.")
     if opt.communicator is not None:
         raise ValueError(
-            f"This Birder optimizer already has a communicator ({type(opt.communicator).__name__}): call "
-            "register_birder_fsdp once per model and optimizer, and do not also pass process_group=/topology=."
+            explain(
+                f"This Birder optimizer already has a communicator ({type(opt.communicator).__name__})",
+                "call register_birder_fsdp once, and pass no process_group=/topology= to Birder",
+            )
         )
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("register_birder_fsdp needs torch.distributed to be initialized (init_process_group).")
@@ -424,8 +425,10 @@ def register_birder_fsdp(
 
     if in_backward and not hasattr(getattr(torch_fsdp, "FSDPModule", None), "set_all_reduce_hook"):
         raise RuntimeError(
-            f"torch {torch.__version__} has no FSDPModule.set_all_reduce_hook (torch >= 2.7 has); upgrade torch, or "
-            "pass in_backward=False to run the 1-bit all-reduce in optimizer.step()."
+            explain(
+                f"torch {torch.__version__} has no FSDPModule.set_all_reduce_hook (torch >= 2.7 has)",
+                "upgrade torch, or pass in_backward=False",
+            )
         )
     inner = _refuse_wrappers(model)
     grid = _shard_grid(mesh)
@@ -439,8 +442,10 @@ def register_birder_fsdp(
             units = None
     if in_backward and not units:
         raise ValueError(
-            "register_birder_fsdp found no FSDP2 module with parameters in the model; wrap it with "
-            "fully_shard(module, mesh=mesh['shard']) per block and on the root first."
+            explain(
+                "register_birder_fsdp found no FSDP2 module with parameters in the model",
+                "shard it first: shard_model(model, mesh['shard'])",
+            )
         )
     if len(grid) == 1:
         warnings.warn(

@@ -88,16 +88,9 @@ class Birder(OneBitOptimizer):
     so it moves by at most :math:`K \eta` in all, weight decay aside. With ``stale="lazy"``, :math:`u_t = 0` on every
     stale step (:math:`K = 0`).
 
-    Who turns :math:`u` into :math:`d` (the communicator, ``birder_hf.base``):
-
-    - nobody, in one process: ``step()`` quantizes locally;
-    - the DDP hook (:class:`birder_hf.BirderHookState` + :func:`birder_hf.birder_hook`, the fast path): it
-      encodes and runs the 1-bit all-reduce during backward, DDP writes :math:`d` into ``.grad``, and
-      ``step()`` only applies the last line;
-    - the optimizer-side all-reduce, with ``process_group=`` or ``topology=`` (loops without DDP, sharded
-      parameters): ``step()`` encodes, all-reduces and applies;
-    - for FSDP2-sharded models, :func:`birder_hf.fsdp.register_birder_fsdp` (1-bit HSDP: FSDP inside a node, 1 bit
-      across nodes). Sharded parameters (``DTensor``) keep ``m``, ``b`` for their local shard only.
+    Who turns :math:`u` into :math:`d` (in one process ``step()`` quantizes locally; the DDP hook, ``process_group=``
+    / ``topology=`` and 1-bit HSDP communicate): ``docs/ARCHITECTURE.md``. Sharded parameters keep ``m``, ``b`` for
+    their local shard only.
 
     State: per parameter ``"step"`` (a CPU float32 scalar, as in ``torch.optim``), ``"exp_avg"``
     (:math:`m`), ``"exp_avg_abs"`` (:math:`b`) and, with ``amsgrad``, ``"max_exp_avg_abs"``. ``m`` and
@@ -107,13 +100,8 @@ class Birder(OneBitOptimizer):
 
     Edge cases: parameters without ``.grad`` are skipped (no state, step not counted); zero-size
     parameters are allowed; integer and complex parameters, and a parameter listed twice, are refused at
-    construction; sparse gradients raise. Coordinates whose gradient has always been 0 have :math:`b = 0`, hence
-    :math:`u = 0`; in one process :math:`d = 0`
-    wherever :math:`u = 0` exactly (unbiased, and torch's convention that all-zero gradients leave parameters where
-    they are: only weight decay moves them). Across ranks, pairs of ranks
-    draw antithetically (``birder_hf.quantize``), so such a coordinate gets :math:`d = 0` from the exact-mean methods
-    with an even number of ranks (and nodes); one that has to send a single bit, or an odd rank out, gives it a fair
-    coin: ``docs/ALGORITHM.md``.
+    construction; sparse gradients raise. Coordinates whose gradient has always been 0 have :math:`u = 0`, and
+    :math:`d = 0` in one process; across ranks, when :math:`d = 0` too: ``docs/ALGORITHM.md``.
 
     Args:
         params (`iterable`): parameters or param groups.
@@ -124,11 +112,8 @@ class Birder(OneBitOptimizer):
         quantize (`bool`, *optional*, defaults to `True`): binary randomization; ``False`` uses
             :math:`d = u` (single process only; a reference, not 1-bit).
         amsgrad (`bool`, *optional*, defaults to `False`): use :math:`\max_{s \le t} b_s` (the theory's variant).
-        stale (`str`, *optional*, defaults to `DEFAULT_STALE`): what a coordinate whose gradient is exactly 0 this
-            step does (above): ``"fade"`` (its vote fades by :math:`\beta` per such step and stops below
-            ``STALE_VOTE_MIN``), ``"lazy"`` (no vote) or ``"keep"`` (the paper's literal update: it keeps moving by
-            :math:`\eta` per step in its last direction, without end). ``docs/ALGORITHM.md``, "Coordinates that stop
-            receiving gradient".
+        stale (`str`, *optional*, defaults to `DEFAULT_STALE`): ``"fade"``, ``"lazy"`` or ``"keep"`` (the paper's),
+            as above; ``docs/ALGORITHM.md``, "Coordinates that stop receiving gradient".
         lazy (`bool`, *optional*): deprecated: ``lazy=True`` is ``stale="lazy"``, ``lazy=False`` is ``stale="keep"``.
         seed (`int`, *optional*): seed of the counter-based random bits, one per optimizer; by default
             ``torch.initial_seed()`` (the seed of ``torch.manual_seed``: runs are repeatable, two optimizers built

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from .lifecycle import close_tracked, track_groups, untrack_groups, wait_for_callbacks
+from .base import explain
+from .lifecycle import track_groups, untrack_groups, wait_for_callbacks
 
 __all__ = ["Topology"]
 
@@ -228,11 +229,11 @@ class Topology:
         problem = _check_env_table(table, world)
         if problem:
             raise ValueError(
-                f"Topology.from_env: {problem}. torchrun and `accelerate launch` set LOCAL_WORLD_SIZE, GROUP_RANK "
-                "and LOCAL_RANK for every worker; with another launcher, export them (node-major ranks: node g "
-                "holds ranks g*LOCAL_WORLD_SIZE ... g*LOCAL_WORLD_SIZE+LOCAL_WORLD_SIZE-1), or build the "
-                "topology with Topology.from_layout(num_nodes, local_world_size), Topology.from_device_mesh(mesh) "
-                "or Topology.flat()."
+                explain(
+                    f"Topology.from_env: {problem}",
+                    "torchrun and accelerate set LOCAL_WORLD_SIZE, GROUP_RANK and LOCAL_RANK: with another launcher "
+                    "export them, or use Topology.from_layout(num_nodes, local_world_size)",
+                )
             )
         lws = table[0][1]["LOCAL_WORLD_SIZE"]
         return cls._from_grid([[g * lws + j for j in range(lws)] for g in range(world // lws)])
@@ -348,13 +349,6 @@ class Topology:
         object.__setattr__(self, "closed", True)
         untrack_groups(self)
 
-    @staticmethod
-    def close_open() -> None:
-        """Close every topology that built process groups and is still open (the exit handler calls it once the 1-bit
-        all-reduce's callbacks are released, so that no group of birder_hf's lives into the interpreter's
-        finalization)."""
-        close_tracked()
-
     def check_open(self) -> None:
         """Raise ``RuntimeError`` if :meth:`close` released this topology's groups."""
         if self.closed:
@@ -405,9 +399,10 @@ def _mesh_grid(mesh, where: str) -> list[list[int]]:
     # those orders to be the mesh's local and node indices
     if any(sorted(row) != row for row in grid) or any(sorted(col) != list(col) for col in zip(*grid)):
         raise ValueError(
-            f"{where}: the mesh's nodes and columns do not form a sorted grid (ranks "
-            "ascending along both dimensions); build the mesh with init_device_mesh(device, (num_nodes, "
-            "local_world_size)), or use Topology.from_layout(num_nodes, local_world_size)."
+            explain(
+                f"{where}: the mesh's ranks do not ascend along both dimensions",
+                "build it with init_device_mesh(device, (num_nodes, local_world_size)), or use Topology.from_layout",
+            )
         )
     return grid
 

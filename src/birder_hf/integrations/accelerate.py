@@ -47,7 +47,7 @@ import os
 import re
 import shutil
 
-from ..base import OneBitOptimizer, unwrap_optimizer
+from ..base import OneBitOptimizer, explain, unwrap_optimizer
 from ..checkpoint import (
     clear_completion_marker,
     find_resumable_checkpoint,
@@ -86,9 +86,11 @@ def check_really_distributed(num_processes: int) -> None:
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
     if env_world > 1 and num_processes != env_world:
         raise RuntimeError(
-            f"The launcher started WORLD_SIZE={env_world} processes but this one sees a world of {num_processes}: "
-            "the processes are not really distributed. On CPU use `ACCELERATE_USE_CPU=1 accelerate launch "
-            "--multi_gpu --num_processes N ...` or `torchrun --nproc_per_node N ...` (see accelerate_configs/)."
+            explain(
+                f"The launcher started WORLD_SIZE={env_world} processes but this one sees a world of {num_processes}: "
+                "they are not really distributed",
+                "on CPU use `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu ...` or `torchrun`",
+            )
         )
 
 
@@ -106,10 +108,11 @@ def check_elastic_restart() -> None:
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if restart not in ("", "0") and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         raise RuntimeError(
-            f"torchrun restarted this worker (TORCHELASTIC_RESTART_COUNT={restart}) on the store it shares across "
-            "attempts (TORCHELASTIC_USE_AGENT_STORE=True): the process group would connect to the addresses of the "
-            "previous attempt and fail (pytorch/pytorch#135712). Launch torchrun with "
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (every node)."
+            explain(
+                f"torchrun restarted (TORCHELASTIC_RESTART_COUNT={restart}) on a shared store: "
+                "init_process_group would fail (pytorch/pytorch#135712)",
+                "Launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (every node)",
+            )
         )
 
 
@@ -154,9 +157,7 @@ def register_birder_hook(accelerator, model, optimizer, *, topology: Topology | 
             )
         if not inner.loss_scaling and getattr(accelerator, "scaler", None) is not None:
             raise ValueError(
-                "1-bit Adam cannot train with fp16 loss scaling (accelerate's GradScaler): its hook encodes the "
-                "scaled gradients, and Adam's step depends on their scale. Use mixed_precision='bf16' (Birder itself "
-                "trains with fp16)."
+                explain("1-bit Adam cannot train with fp16 loss scaling", "use mixed_precision='bf16' (or Birder)")
             )
     except Exception as exc:
         error = exc

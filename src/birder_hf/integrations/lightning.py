@@ -59,7 +59,7 @@ import os
 import shutil
 from typing import Any
 
-from ..base import OneBitOptimizer
+from ..base import OneBitOptimizer, explain
 from ..checkpoint import (
     MARKER,
     checkpoint_problem,
@@ -156,18 +156,17 @@ def find_resumable_lightning_checkpoint(dirpath: str | os.PathLike) -> str | Non
 def _check_trainer_settings(precision: str, gradient_clip_val: float | None) -> None:
     if gradient_clip_val is not None and gradient_clip_val > 0:
         raise ValueError(
-            f"Trainer(gradient_clip_val={gradient_clip_val}) would clip .grad after the 1-bit hook, where it holds "
-            "Birder's direction d in [-1, 1] (a step moves a coordinate by at most lr * (1 + weight_decay * |x|)). "
-            "Remove gradient_clip_val."
+            explain(
+                f"Trainer(gradient_clip_val={gradient_clip_val}) would clip Birder's direction (in [-1, 1]) in .grad",
+                "Remove gradient_clip_val (a step is bounded by lr already)",
+            )
         )
 
 
 def _check_precision(precision: str, opt) -> None:
     if not opt.loss_scaling and str(precision) == "16-mixed":
         raise ValueError(
-            "OneBitAdam cannot train with precision='16-mixed': its hook encodes the loss-scaled gradients, and "
-            "Adam's step depends on their scale. Use Trainer(precision='bf16-mixed') (Birder itself trains with "
-            "'16-mixed')."
+            explain("OneBitAdam cannot train with precision='16-mixed'", "use precision='bf16-mixed' (or Birder)")
         )
 
 
@@ -175,10 +174,11 @@ def _one_bit_optimizer(optimizers: list, automatic_optimization: bool) -> Birder
     if len(optimizers) != 1:
         mode = "automatic" if automatic_optimization else "manual"
         raise ValueError(
-            "BirderDDPStrategy needs exactly one optimizer, a birder_hf.Birder or OneBitAdam, but "
-            f"configure_optimizers returned {len(optimizers)} ({mode} optimization). DDP allows one communication "
-            "hook per model and the hook sends one optimizer's 1-bit direction for every parameter: put all "
-            "parameters into one Birder (param groups may differ in lr and weight_decay)."
+            explain(
+                "BirderDDPStrategy needs exactly one Birder or OneBitAdam (DDP takes one hook), but "
+                f"configure_optimizers returned {len(optimizers)} ({mode} optimization)",
+                "put all parameters into one Birder (param groups may differ)",
+            )
         )
     opt = optimizers[0]
     if not isinstance(opt, _ONE_BIT):
@@ -403,10 +403,10 @@ class BirderDDPStrategy(DDPStrategy):
         if bad is not None:
             rank, problem = bad
             raise RuntimeError(
-                f"{path} is not complete on every rank (rank {rank} sees: {problem}), so its ranks' Birder states may "
-                "not belong together; nothing was loaded. Resume from the newest complete checkpoint: "
-                "trainer.fit(model, ckpt_path=find_resumable_lightning_checkpoint(dirpath)) "
-                "(birder_hf.integrations.lightning)."
+                explain(
+                    f"{path} is not complete on every rank (rank {rank} sees: {problem}); nothing was loaded",
+                    "pass ckpt_path=find_resumable_lightning_checkpoint(dirpath) to trainer.fit",
+                )
             )
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
@@ -419,9 +419,10 @@ class BirderDDPStrategy(DDPStrategy):
             state = read_own_rank_state(opt, folder, rank=self.global_rank, world_size=self.world_size)
         except FileNotFoundError as exc:
             raise FileNotFoundError(
-                f"{path} has no per-rank Birder state ({folder}/): it was not written by BirderDDPStrategy, or the "
-                "folder was not copied with it. Birder's m and b are each rank's own; resuming every rank from rank "
-                f"0's would change the run. Resume from a checkpoint saved with BirderDDPStrategy. ({exc})"
+                explain(
+                    f"{path} has no per-rank Birder state ({folder}/): not written by BirderDDPStrategy or not copied",
+                    f"resume from a checkpoint BirderDDPStrategy saved ({exc})",
+                )
             ) from exc
         opt.load_state_dict(state)
 

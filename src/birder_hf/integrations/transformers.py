@@ -53,7 +53,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ..base import OneBitOptimizer, is_integer, unwrap_optimizer
+from ..base import OneBitOptimizer, explain, is_integer, unwrap_optimizer
 from ..checkpoint import (
     clear_completion_marker,
     disk_full_error,
@@ -420,9 +420,10 @@ def _check_supported_setup(args, b: BirderArguments, trainer=None) -> None:
     if optim != getattr(default, "value", default):
         name = "OneBitAdam" if b.optimizer == "onebitadam" else "Birder"
         raise ValueError(
-            f"TrainingArguments.optim={optim!r} asks the Trainer for another optimizer, but BirderTrainer trains with "
-            f"{name} (BirderArguments.optimizer={b.optimizer!r}) and would ignore it. Leave --optim at its default "
-            f"({getattr(default, 'value', default)!r}), or train with {optim} through transformers.Trainer."
+            explain(
+                f"TrainingArguments.optim={optim!r}: BirderTrainer trains with {name} and would ignore it",
+                f"Leave --optim at its default ({getattr(default, 'value', default)!r})",
+            )
         )
     if args.fp16 and b.optimizer == "onebitadam":
         raise ValueError(
@@ -439,10 +440,10 @@ def _check_supported_setup(args, b: BirderArguments, trainer=None) -> None:
     ]
     if sharded:
         raise ValueError(
-            f"BirderTrainer does not train with the Trainer's own {' or '.join(sharded)}: their gradient reduction "
-            "bypasses the 1-bit hook. Drop --fsdp/--deepspeed (and the accelerate config's FSDP/DeepSpeed plugin); "
-            "for sharded training use BirderArguments(sharding='hsdp') (--sharding hsdp): FSDP2 inside each node, "
-            "Birder's 1-bit all-reduce across nodes."
+            explain(
+                f"BirderTrainer does not train with the Trainer's own {' or '.join(sharded)} (it bypasses the hook)",
+                "drop --fsdp/--deepspeed; to shard use BirderArguments(sharding='hsdp')",
+            )
         )
 
 
