@@ -3,10 +3,10 @@
 The question: a coordinate that stops receiving gradient keeps ``u = m / b`` (m and b decay alike), so the paper's
 literal update moves it by lr every step in its last direction. Which remedy gives the best median and worst seed?
 
-- ``literal``: the paper's update (``Birder(..., lazy=False)``);
-- ``amsgrad``: ``b`` is a running max, so a stale ``u`` decays (``lazy=False, amsgrad=True``);
-- ``lazy``: a coordinate whose gradient is exactly zero this step does not vote (``lazy=True``);
-- ``both``: ``lazy=True, amsgrad=True``.
+- ``literal``: the paper's update (``Birder(..., stale="keep")``; ``lazy=False`` in trees from before ``stale``);
+- ``amsgrad``: ``b`` is a running max, so a stale ``u`` decays (``stale="keep", amsgrad=True``);
+- ``lazy``: a coordinate whose gradient is exactly zero this step does not vote (``stale="lazy"``);
+- ``both``: ``stale="lazy", amsgrad=True``.
 
 Each run is ``tta.py``'s quality-per-step run (``_tta_worker.py``, 4 ranks as 2 nodes x 2 on loopback, the task's
 stored tuned lr from ``docs/results/tta.json``), with the variant's options::
