@@ -457,16 +457,8 @@ def birder_encode(
         foreach = bool(grads) and all(g.is_cuda for g in grads)
     fn = _multi_tensor_encode if foreach else _single_tensor_encode
     weight = (1 - beta) / grad_scale
-    fade = beta if stale == "fade" else None
-    us = fn(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, beta=beta, weight=weight, maximize=maximize, out=out,
-            fade=fade)  # fmt: skip
-    if stale != "keep":  # a stale coordinate: no vote ("lazy"), or none once its faded u is small ("fade")
-        for u, g in zip(us, grads):
-            stale_now = g == 0
-            if fade is not None:
-                stale_now &= u.abs() < STALE_VOTE_MIN
-            u.masked_fill_(stale_now, 0.0)
-    return us
+    return fn(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, beta=beta, weight=weight, maximize=maximize, out=out,
+              stale=stale)  # fmt: skip
 
 
 def birder_apply(params: list[torch.Tensor], directions: list[torch.Tensor], *, lr: float, weight_decay: float):
@@ -529,12 +521,17 @@ def birder(
     return ds
 
 
-def _fade_(m: torch.Tensor, g: torch.Tensor, beta: float) -> None:
-    """m <- beta m where g == 0 (after the EMA: a stale coordinate's m decays by beta twice, its u by beta)."""
-    m.copy_(torch.where(g == 0, m * beta, m))
+def _fade_(m: torch.Tensor, zero: torch.Tensor, beta: float) -> None:
+    """m <- beta m where ``zero`` (g == 0; after the EMA: a stale coordinate's m decays by beta twice, its u by beta)."""
+    m.copy_(torch.where(zero, m * beta, m))
 
 
-def _single_tensor_encode(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, *, beta, weight, maximize, out, fade):
+def _silence_(u: torch.Tensor, zero: torch.Tensor, stale: str) -> None:
+    """u <- 0 where a stale coordinate does not vote: every one ("lazy"), or once its faded |u| < STALE_VOTE_MIN."""
+    u.masked_fill_(zero & (u.abs() < STALE_VOTE_MIN) if stale == "fade" else zero, 0.0)
+
+
+def _single_tensor_encode(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, *, beta, weight, maximize, out, stale):
     us = []
     for i, (g, m, b) in enumerate(zip(grads, exp_avgs, exp_avg_abss)):
         m_out, b_out = (out.exp_avgs[i], out.exp_avg_abss[i]) if out is not None else (m, b)
@@ -543,8 +540,9 @@ def _single_tensor_encode(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, *, be
             g = -g
         torch.mul(m, beta, out=m_out).add_(g, alpha=weight)
         torch.mul(b, beta, out=b_out).add_(g.abs(), alpha=weight)
-        if fade is not None:
-            _fade_(m_out, g, fade)
+        zero = None if stale == "keep" else g == 0  # this step's stale coordinates
+        if stale == "fade":
+            _fade_(m_out, zero, beta)
         denom = b_out
         if max_exp_avg_abss is not None:
             bmax_out = out.max_exp_avg_abss[i] if out is not None else max_exp_avg_abss[i]
@@ -553,11 +551,14 @@ def _single_tensor_encode(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, *, be
         # |m| <= b holds in floating point (monotone rounding); max(b, tiny) makes 0/0 = 0.
         u = out.us[i] if out is not None and out.us is not None else torch.empty_like(m_out)
         torch.div(m_out, denom.clamp_min(_TINY), out=u)
-        us.append(u.clamp_(-1.0, 1.0))
+        u.clamp_(-1.0, 1.0)
+        if zero is not None:
+            _silence_(u, zero, stale)
+        us.append(u)
     return us
 
 
-def _multi_tensor_encode(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, *, beta, weight, maximize, out, fade):
+def _multi_tensor_encode(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, *, beta, weight, maximize, out, stale):
     if not grads:
         return []
     grads = [g.to(m.dtype) for g, m in zip(grads, exp_avgs)]
@@ -574,9 +575,10 @@ def _multi_tensor_encode(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, *, bet
     torch._foreach_add_(ms, grads, alpha=weight)
     torch._foreach_mul_(bs, beta)
     torch._foreach_add_(bs, torch._foreach_abs(grads), alpha=weight)
-    if fade is not None:
-        for m, g in zip(ms, grads):
-            _fade_(m, g, fade)
+    zeros = None if stale == "keep" else [g == 0 for g in grads]  # this step's stale coordinates
+    if stale == "fade":
+        for m, zero in zip(ms, zeros):
+            _fade_(m, zero, beta)
     denoms = bs
     if max_exp_avg_abss is not None:
         torch._foreach_maximum_(bmaxs, bs)
@@ -590,4 +592,6 @@ def _multi_tensor_encode(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, *, bet
         us = torch._foreach_div(ms, denoms)
     torch._foreach_clamp_min_(us, -1.0)
     torch._foreach_clamp_max_(us, 1.0)
+    for u, zero in zip(us, zeros or ()):
+        _silence_(u, zero, stale)
     return us
