@@ -300,7 +300,7 @@ def mark_checkpoint_complete(
     rank: int | None = None,
     world_size: int | None = None,
     write: bool | None = None,
-    failed: str | None = None,
+    failed: str | BaseException | None = None,
     extra_files=(),
 ) -> str | None:
     """Mark ``checkpoint_dir`` complete: call it on every rank once that rank has written all its files there.
@@ -312,15 +312,17 @@ def mark_checkpoint_complete(
     place, so the marker is whole or absent. Raises ``RuntimeError`` naming the ranks whose file is missing (and
     writes no marker). Returns the marker's path on the writers, else ``None``.
 
-    ``failed``: why this rank could not write its files (it still calls this, so that the others do not wait for it);
-    every rank then raises, naming it. ``extra_files``: files of the checkpoint outside the folder that the writers
-    list too (Lightning's ``.ckpt`` beside its ``.ckpt.birder`` folder).
+    ``failed``: why this rank could not write its files, a message or the exception itself (it still calls this, so
+    that the others do not wait for it); every other rank then raises, naming it, and this rank raises its exception
+    (a message: the same ``RuntimeError``). ``extra_files``: files of the checkpoint outside the folder that the
+    writers list too (Lightning's ``.ckpt`` beside its ``.ckpt.birder`` folder).
     """
     rank, world_size = _rank_and_world(rank, world_size)
     own = rank_state_path(checkpoint_dir, rank, world_size)
     mine = None if os.path.isfile(own) else f"rank {rank} has no {own}"
     if failed is not None:
-        mine = f"rank {rank} failed to write its files ({failed})"
+        why = f"{type(failed).__name__}: {failed}" if isinstance(failed, BaseException) else failed
+        mine = f"rank {rank} failed to write its files ({why})"
     reports = [mine]
     import torch.distributed as dist
 
@@ -329,6 +331,8 @@ def mark_checkpoint_complete(
         dist.all_gather_object(reports, mine)
     missing = [r for r in reports if r is not None]
     if missing:
+        if isinstance(failed, BaseException):
+            raise failed
         raise RuntimeError(
             f"Checkpoint {checkpoint_dir} was not marked complete: {'; '.join(missing)}. Every rank saves its Birder "
             "state (save_rank_state) before mark_checkpoint_complete; a resume will not choose this checkpoint."

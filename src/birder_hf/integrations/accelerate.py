@@ -316,18 +316,9 @@ def _mark_saves_complete(accelerator) -> None:
             if limit is not None:
                 config.total_limit = limit
         writer = accelerator.is_local_main_process if config.save_on_each_node else accelerator.is_main_process
-        try:
-            mark_checkpoint_complete(
-                folder,
-                rank=accelerator.process_index,
-                world_size=accelerator.num_processes,
-                write=writer,
-                failed=None if failure is None else f"{type(failure).__name__}: {failure}",
-            )
-        except RuntimeError:
-            if failure is not None:
-                raise failure from None
-            raise
+        mark_checkpoint_complete(
+            folder, rank=accelerator.process_index, world_size=accelerator.num_processes, write=writer, failed=failure
+        )
         if limit is not None and accelerator.is_main_process:
             _rotate(os.path.dirname(folder), limit)
         return location

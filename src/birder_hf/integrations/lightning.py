@@ -344,19 +344,14 @@ class BirderDDPStrategy(DDPStrategy):
                 "marked complete: find_resumable_lightning_checkpoint will not choose it, and the strategy will not "
                 "resume from it."
             )
-        try:
-            mark_checkpoint_complete(
-                folder,
-                rank=self.global_rank,
-                world_size=self.world_size,
-                write=write,
-                failed=None if failure is None else f"{type(failure).__name__}: {failure}",
-                extra_files=[ckpt] if write else (),
-            )
-        except RuntimeError:
-            if failure is not None:
-                raise failure from None
-            raise
+        mark_checkpoint_complete(
+            folder,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            write=write,
+            failed=failure,
+            extra_files=[ckpt] if write else (),
+        )
 
     def remove_checkpoint(self, filepath) -> None:
         # a symlink (save_last="link") goes alone: its target keeps its Birder state
