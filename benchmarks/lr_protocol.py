@@ -108,7 +108,8 @@ def _s_per_step(task: str, method: str) -> float | None:
     """Seconds per step on the emulated link of the TTA table (docs/results/tta.json): Birder hierarchical's for
     simulated workers, DDP fp32's for AdamW."""
     row = "fp32" if method == "adamw" else "birder-h"
-    return json.loads((ROOT / "docs" / "results" / "tta.json").read_text())["tasks"][task]["methods"][row]["s_per_step"][1]
+    methods = json.loads((ROOT / "docs" / "results" / "tta.json").read_text())["tasks"][task]["methods"]
+    return methods[row]["s_per_step"][1]
 
 
 def report(task: str, results: Path) -> str:
@@ -144,7 +145,7 @@ def report(task: str, results: Path) -> str:
         worst = "not reached" if len(reached) < len(steps) else reached[-1]
         med = statistics.median([x if x is not None else math.inf for x in steps])
         sps = _s_per_step(task, m["method"])
-        t = (lambda x: "not reached" if x in (None, math.inf, "not reached") else f"{x * sps:.0f}")  # noqa: E731
+        t = (lambda x, sps=sps: "not reached" if x in (None, math.inf, "not reached") else f"{x * sps:.0f}")  # noqa: E731
         h["time_to_target_s"] = {"s_per_step": sps, "median": None if med == math.inf else med * sps,
                                  "worst": None if worst == "not reached" else worst * sps}  # fmt: skip
         lines.append(

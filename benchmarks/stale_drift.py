@@ -3,8 +3,8 @@ the time-to-accuracy tasks have an exactly-zero gradient on a step (the ones ``B
 
 1. ``drift``: the issue's example. ``Birder([p], lr=1e-3)``, gradient (1, -1, 0.5, 0) at step 0 and zeros after;
    |p_t - p_0| / lr after 20, 200 and 1000 steps, for the paper's literal update (``stale="keep"``), ``amsgrad=True``,
-   ``stale="lazy"``, both, and ``stale="fade"`` (the default): in one process, and on 4 real ranks (2 nodes x 2, gloo) with the DDP hook and ``hierarchical``, every
-   rank giving that gradient scaled by (1 + rank).
+   ``stale="lazy"``, both, and ``stale="fade"`` (the default): in one process, and on 4 real ranks (2 nodes x 2,
+   gloo) with the DDP hook and ``hierarchical``, every rank giving that gradient scaled by (1 + rank).
 2. ``zeros``: each task of ``benchmarks/system/tta.py`` (its model, batch and data, one rank's batches of steps
    1..``--steps`` of seed 0, trained by ``Birder`` at the task's tuned lr in this one process): the share of
    gradient elements that are exactly 0 on each step, in all and per parameter (the 5 with the most).

@@ -249,7 +249,7 @@ def test_old_checkpoints_are_rotated_away_only_after_the_new_one_is_marked_compl
     from transformers import BertConfig, BertForSequenceClassification, TrainingArguments
 
     import birder_hf.integrations.transformers as integration
-    from birder_hf.integrations.transformers import BirderArguments, BirderTrainer
+    from birder_hf.integrations.transformers import BirderTrainer
 
     real = integration.mark_checkpoint_complete
 

@@ -24,8 +24,8 @@ KW = dict(lr=0.01, beta=0.9, weight_decay=0.01, seed=21)
 
 def _model():
     torch.manual_seed(0)
-    # an embedding: rows absent from a rank's batch have a zero gradient there (the stale modes' case), and 37 + 8 * 3 + 1
-    # elements leave padding in the last byte of a shard
+    # an embedding: rows absent from a rank's batch have a zero gradient there (the stale modes' case), and
+    # 37 + 8 * 3 + 1 elements leave padding in the last byte of a shard
     return torch.nn.Sequential(torch.nn.Embedding(37, 3), torch.nn.Flatten(), torch.nn.Linear(12, 2))
 
 

@@ -42,8 +42,9 @@ SETTING = {"qa": {"steps": 600, "batch": 8}, "image": {"steps": 250, "batch": 8}
 
 
 def _options(variant: str) -> dict:
-    from birder_hf import Birder
     import inspect
+
+    from birder_hf import Birder
 
     opts = dict(VARIANTS[variant])
     params = inspect.signature(Birder).parameters
@@ -95,7 +96,7 @@ def run(args) -> None:
 def report(args) -> dict:
     ref = json.loads((tta.ROOT / "docs" / "results" / "tta.json").read_text())["tasks"]
     result = {"command": " ".join(["python benchmarks/system/tta_stale.py", *sys.argv[1:]]), "tasks": {}}
-    for task, lr in [(task, lr) for task in args.tasks for lr in [_lr(task), *(args.extra_lr or [])]]:
+    for task, lr in [(name, lr) for name in args.tasks for lr in [_lr(name), *(args.extra_lr or [])]]:
         key, higher, label = tta.PRIMARY[task]
         t = {"metric": key, "label": label, "target": ref[task]["target"], "lr": lr, **SETTING[task],
              "variants": {}}  # fmt: skip
