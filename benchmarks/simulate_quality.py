@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -43,7 +44,7 @@ def _run(task_name: str, workers: str, seed: int, args, out: Path) -> None:
     if out.exists() and any(json.loads(x).get("kind") == "done" for x in out.read_text().splitlines() if x):
         return
     out.unlink(missing_ok=True)
-    total = GLOBAL_BATCH[task_name]
+    total = _global_batch(args, task_name)
     nodes, local = (1, 1) if workers == "adamw" else map(int, workers.split("x"))
     n = nodes * local
     if total % n:
@@ -64,8 +65,9 @@ def _run(task_name: str, workers: str, seed: int, args, out: Path) -> None:
                                    **options)  # fmt: skip
             lead = sim.optimizers[0]
         sched = torch.optim.lr_scheduler.LambdaLR(lead, lr_lambda(args.steps))
-        base = {"task": task_name, "workers": workers, "n": n, "seed": seed, "steps": args.steps, "global_batch": total,
-                "lr": _lr(args, task_name, workers), "options": json.loads(args.options)}  # fmt: skip
+        base = {"task": task_name, "workers": workers, "n": n, "seed": seed, "steps": args.steps,
+                "global_batch": total, "lr": _lr(args, task_name, workers),
+                "options": json.loads(args.options)}  # fmt: skip
 
         def emit(rec):
             with open(out, "a") as f:
@@ -103,6 +105,10 @@ def _run(task_name: str, workers: str, seed: int, args, out: Path) -> None:
         Path(init.name).unlink(missing_ok=True)
 
 
+def _global_batch(args, task: str) -> int:
+    return getattr(args, "global_batch", None) or GLOBAL_BATCH[task]
+
+
 def _lr(args, task: str, workers: str) -> float:
     return args.lr if args.lr is not None else LR["adamw" if workers == "adamw" else "birder"][task]
 
@@ -110,15 +116,25 @@ def _lr(args, task: str, workers: str) -> float:
 def _path(args, workers: str, seed: int) -> Path:
     """One run's file: task, workers, learning rate, Birder options (a tag), seed."""
     tag = "".join(f"-{k}{v}" for k, v in sorted(json.loads(args.options).items())) if workers != "adamw" else ""
+    if _global_batch(args, args.task) != GLOBAL_BATCH[args.task]:
+        tag += f"-gb{_global_batch(args, args.task)}"
     return args.work / f"{args.task}-{workers}-lr{_lr(args, args.task, workers):g}{tag}-seed{seed}.jsonl"
 
 
+def _target(task: str) -> float:
+    """The time-to-accuracy target: 95% of DDP fp32's median final at the protocol's batch (docs/results/tta.json)."""
+    return json.loads((ROOT / "docs" / "results" / "tta.json").read_text())["tasks"][task]["target"]
+
+
 def report(args) -> dict:
+    """Per worker count: final metric and first step at the target, median and worst seed; a table and a figure."""
     key, higher = PRIMARY[args.task]
-    res = {"task": args.task, "metric": key, "global_batch": GLOBAL_BATCH[args.task], "options": json.loads(args.options),
+    target, gb = _target(args.task), _global_batch(args, args.task)
+    res = {"task": args.task, "metric": key, "global_batch": gb, "target": target, "options": json.loads(args.options),
            "lr": {w: _lr(args, args.task, w) for w in args.workers}, "runs": {}}  # fmt: skip
+    reached = (lambda v: v >= target) if higher else (lambda v: v <= target)  # noqa: E731
     for workers in args.workers:
-        finals, curves = {}, {}
+        finals, curves, to_target = {}, {}, {}
         for seed in args.seeds:
             path = _path(args, workers, seed)
             recs = [json.loads(x) for x in path.read_text().splitlines() if x] if path.exists() else []
@@ -127,14 +143,61 @@ def report(args) -> dict:
             ev = [r for r in recs if r["kind"] == "eval"]
             curves[seed] = {"steps": [e["step"] for e in ev], key: [e[key] for e in ev]}
             finals[seed] = ev[-1][key]
+            to_target[seed] = next((e["step"] for e in ev if reached(e[key])), None)
         if finals:
-            res["runs"][workers] = {"final": finals, "median": statistics.median(finals.values()),
-                                    "worst": (min if higher else max)(finals.values()), "curves": curves}  # fmt: skip
+            steps = sorted(x if x is not None else float("inf") for x in to_target.values())
+            res["runs"][workers] = {"n": 1 if workers == "adamw" else math.prod(map(int, workers.split("x"))),
+                                    "final": finals, "median": statistics.median(finals.values()),
+                                    "worst": (min if higher else max)(finals.values()), "step_to_target": to_target,
+                                    "step_to_target_median": statistics.median(steps),
+                                    "step_to_target_worst": steps[-1], "curves": curves}  # fmt: skip
     args.results.mkdir(parents=True, exist_ok=True)
-    (args.results / f"simulate_quality_{args.task}.json").write_text(json.dumps(res, indent=1) + "\n")
+    name = f"simulate_quality_{args.task}" + (f"_gb{gb}" if gb != GLOBAL_BATCH[args.task] else "")
+    _write_table_and_figure(res, args.results / name, args)
+    (args.results / f"{name}.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
     for w, r in res["runs"].items():
         print(f"{w}: median {r['median']:.2f}, worst {r['worst']:.2f}, per seed {r['final']}")
     return res
+
+
+def _write_table_and_figure(res: dict, stem: Path, args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    key, gb = res["metric"], res["global_batch"]
+    shown = lambda x: "not reached" if x == float("inf") else f"{x:g}"  # noqa: E731
+    lines = [
+        f"**{res['task']}** ({key}; global batch {gb} on every row; target {res['target']:.2f}; seeds "
+        f"{', '.join(map(str, args.seeds))}; {args.steps} steps)",
+        "",
+        f"<!-- numbers: docs/results/{stem.name}.json -->",
+        f"| optimizer | workers n | batch per worker | lr | final {key}: median / worst | steps to target: median / "
+        "worst |",
+        "|---|---|---|---|---|---|",
+    ]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for workers, r in res["runs"].items():
+        label = "AdamW (one process)" if workers == "adamw" else f"Birder {workers}"
+        lines.append(
+            f"| {label} | {r['n']} | {gb // r['n']} | {res['lr'][workers]:g} | {r['median']:.1f} / {r['worst']:.1f} | "
+            f"{shown(r['step_to_target_median'])} / {shown(r['step_to_target_worst'])} |"
+        )
+        curves = list(r["curves"].values())
+        xs = curves[0]["steps"]
+        ys = [[c[key][i] for c in curves] for i in range(len(xs))]
+        line = ax.plot(xs, [statistics.median(y) for y in ys], label=f"{label}, n = {r['n']}")[0]
+        ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.12)
+    ax.axhline(res["target"], color="k", ls="--", lw=0.8, label="target")
+    ax.set_xlabel("step")
+    ax.set_ylabel(key)
+    ax.set_title(f"{res['task']}: n simulated workers at global batch {gb}, median and range over seeds", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(stem.with_suffix(".png"), dpi=110)
+    plt.close(fig)
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
 def main(argv=None) -> int:
@@ -143,6 +206,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", nargs="+", default=["2x2", "2x4", "4x8", "adamw"], help="KxL nodes x ranks, or adamw")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--global-batch", type=int, default=None,
+                    help="samples per step over all workers (default: the task's, GLOBAL_BATCH; 64 allows n = 64)")
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the task's tuned one, LR)")
     ap.add_argument("--options", default="{}", help='Birder keyword arguments as JSON, e.g. \'{"stale": "keep"}\'')
     ap.add_argument("--eval-every", type=int, default=50)
