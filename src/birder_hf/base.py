@@ -130,7 +130,7 @@ def unwrap_optimizer(optimizer):
 class Communicator:
     """Base of the objects that turn every rank's encoded values into the synchronized direction.
 
-    Subclasses: :class:`birder_hf.BirderHookState` and :class:`birder_hf.OneBitAdamHookState` (DDP hooks) and
+    Subclasses: :class:`birder_hf.communicators.HookState` (the DDP and FSDP hooks' states) and
     :class:`birder_hf.communicators.StepAllReduce` (the optimizer-side 1-bit all-reduce).
     """
 

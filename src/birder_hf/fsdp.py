@@ -48,8 +48,8 @@ import torch
 import torch.distributed as dist
 
 from .base import Update, explain, is_sharded, local_tensor, shard_offset, unwrap_optimizer
-from .communicators import StepAllReduce, UsageMarks
-from .hook import BirderHookState
+from .communicators import HookState, StepAllReduce, UsageMarks
+from .hook import BirderStaging
 from .optim import Birder
 from .settings import DEFAULT_INTER_METHOD, DEFAULT_METHOD, CommSettings, check_settings
 from .topology import Topology
@@ -141,11 +141,13 @@ def fsdp_units(model: torch.nn.Module) -> list[FSDPUnit]:
     return units
 
 
-class FSDPHookState(BirderHookState):
+class FSDPHookState(HookState):
     """State of Birder's FSDP2 all-reduce hook: the 1-bit exchange of each FSDP unit's shard across the nodes.
 
     Built by :func:`register_birder_fsdp`. The statistics (``stats``, ``last_step_stats``, ``steps_communicated``,
-    ``skipped_steps``) are those of every hook state; all bytes count as inter-node.
+    ``skipped_steps``) are those of every hook state; all bytes count as inter-node. Birder's side (the staged ``m``,
+    ``b``, the encode-and-stage loop, the exchange, the commit) is ``staging``, a
+    :class:`birder_hf.hook.BirderStaging` as the DDP hook's.
 
     Args:
         optimizer (`Birder`): the optimizer of the sharded parameters.
@@ -154,48 +156,38 @@ class FSDPHookState(BirderHookState):
         agree_group (`ProcessGroup`): every rank of the mesh (skipped steps are agreed by all shards).
     """
 
+    optimizer_class = Birder
     hook_name = "birder_fsdp_hook"
     wrapped_name = "the FSDP model"
     # FSDP hands the hook zeros for a parameter no rank of the node used (set_reduce_scatter_unused_params): the
-    # ranks agree which parameters any rank used (marked on FSDP's unsharded parameters, _watch_units) and step those
+    # ranks agree which parameters any rank used (marked on FSDP's unsharded parameters, watch_units) and step those
     skip_unused = True
 
-    __slots__ = ("_u", "_futures", "_directions")
+    __slots__ = ("staging", "_u")
 
     def __init__(self, optimizer: Birder, topology: Topology, method: str | CommSettings = DEFAULT_METHOD, **kwargs):
+        self.staging = BirderStaging(self)
         self._u: dict[int, torch.Tensor] = {}  # unit index -> its u / d buffer, reused every step
-        self._futures: list = []
-        self._directions: dict[torch.Tensor, torch.Tensor] = {}  # param -> d of its shard (a view of a buffer)
-        super().__init__(optimizer, topology, method, **kwargs)
+        comm = (method, kwargs.pop("inter_method", DEFAULT_INTER_METHOD), kwargs.pop("chunk_numel", None))
+        super().__init__(optimizer, topology, comm_settings=comm, **kwargs)
+
+    def _check_setup(self, optimizer, topology) -> None:
+        super()._check_setup(optimizer, topology)
+        BirderStaging.check(optimizer)
 
     @property
     def description(self) -> str:
         k = self.topology.num_nodes
         return f"1-bit {self.comm_settings.method} FSDP hook across {k} node{'s' if k != 1 else ''}"
 
-    def _watch(self, params) -> None:
-        # autograd accumulates into FSDP's unsharded parameters, not these: watch_units marks them instead
-        pass
-
     def watch_units(self, units: list[FSDPUnit]) -> None:
         """Mark a parameter used when autograd accumulates a gradient into its unsharded parameter (see
         :class:`birder_hf.communicators.UsageMarks`)."""
-        _watch_units(units, self._marks)
-
-    def _agreed_verdict(self):
-        for fut in self._futures:  # the exchanges first, then the agreement (the same order on every rank)
-            fut.wait()
-        return super()._agreed_verdict()
-
-    def _close_step(self):
-        for fut in self._futures:
-            fut.wait()
-        self._futures, self._directions = [], {}
-        return super()._close_step()
+        _watch_units(units, self.marks)
 
     def buffer_bytes(self) -> int:
         """Bytes of the buffers kept between steps: staged ``m``, ``b`` and each unit's ``u`` (this rank's shard)."""
-        return super().buffer_bytes() + sum(u.nbytes for u in self._u.values())
+        return self.staging.buffer_bytes() + sum(u.nbytes for u in self._u.values())
 
     def _unit_buffer(self, index: int, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
         buf = self._u.get(index)
@@ -206,7 +198,7 @@ class FSDPHookState(BirderHookState):
     def reduce(self, index: int, unit: FSDPUnit, reduce_output: torch.Tensor) -> None:
         """The hook body for unit ``index``: encode its shard of the node-averaged gradient, start the all-reduce."""
         self.begin_backward()
-        opt, layout = self.optimizer, unit.layout()
+        layout = unit.layout()
         expected = sum(n for _, n in layout)
         if reduce_output.numel() != expected:
             raise RuntimeError(
@@ -216,45 +208,27 @@ class FSDPHookState(BirderHookState):
                     "keep requires_grad as at register_birder_fsdp and set_reduce_scatter_unused_params(True)",
                 )
             )
-        params, grads, offset = [], [], 0
+        items, offset = [], 0
         for p, taken in layout:
-            if opt.group_of(p) is None:
-                raise RuntimeError(
-                    explain(
-                        f"An FSDP parameter of shape {tuple(p.shape)} is not in the Birder optimizer",
-                        "build the optimizer from the sharded model's parameters, after fully_shard",
-                    )
-                )
-            if p in self._pending:
-                raise RuntimeError(
-                    explain(
-                        "birder_fsdp_hook saw the same parameter twice before optimizer.step()",
-                        "accumulate with model.set_requires_gradient_sync(False) on all but the last micro-batch",
-                    )
-                )
+            group = self.claim(
+                p,
+                "An FSDP parameter",
+                "build the optimizer from the sharded model's parameters, after fully_shard",
+                "accumulate with model.set_requires_gradient_sync(False) on all but the last micro-batch",
+            )
             x = local_tensor(p)
-            params.append(p)
-            grads.append(reduce_output[offset : offset + x.numel()].view(x.shape))
+            items.append((p, reduce_output[offset : offset + x.numel()].view(x.shape), group))
             offset += taken
         work = torch.float64 if reduce_output.dtype == torch.float64 else torch.float32
-        u = self._unit_buffer(index, sum(g.numel() for g in grads), work, reduce_output.device)
-        items = [(p, g, opt.group_of(p)) for p, g in zip(params, grads)]
-        params, us, keys = self.encode_and_stage(items, u)
-        self._directions.update(zip(params, us))
+        u = self._unit_buffer(index, sum(g.numel() for _, g, _ in items), work, reduce_output.device)
+        _, keys = self.staging.encode_and_stage(items, u, keep=True)
         if self.check_finite:
             self.flag_nonfinite(u)  # u = m / b is NaN exactly where the gradient was not finite
-        self._futures.append(self._all_reduce_async(u, keys))
+        self.in_flight.append(self.staging.exchange(u, keys))
 
     def finish_step(self) -> list[Update] | None:
         """Wait for the exchanges, agree the step is finite, commit ``m``, ``b`` and hand ``d`` to ``step()``."""
-        futures, directions = self._futures, self._directions
-        self._futures, self._directions = [], {}
-        for fut in futures:  # every exchange ends before anything else: the next step reuses the buffers
-            fut.wait()
-        updates = super().finish_step()
-        if updates is None:
-            return None
-        return [Update(group, params, [directions[p] for p in params]) for group, params, _ in updates]
+        return self.staging.commit(self.take_staged())
 
 
 def _watch_units(units: list[FSDPUnit], marks: UsageMarks) -> None:

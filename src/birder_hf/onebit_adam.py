@@ -35,10 +35,10 @@ from .base import (
     state_dtype,
     tensor_problem,
 )
-from .wire import Job, Wire, fp32_allreduce_bytes, launch_in_order
-from .communicators import HookState
+from .communicators import DDPBuckets, HookState
 from .quantize import pack_bits, unpack_bits
 from .topology import Topology
+from .wire import Job, Wire, fp32_allreduce_bytes, launch_in_order
 
 __all__ = ["OneBitAdam", "OneBitAdamHookState", "onebit_adam_hook", "compress_with_feedback", "shard_layout"]
 
@@ -246,7 +246,7 @@ class OneBitAdam(OneBitOptimizer):
     def _step_communicated(self, staged: dict | None) -> None:
         if staged is None:
             return  # a rank had a non-finite gradient: every rank skips the step
-        for p, (group, record) in staged.items():
+        for p, (group, record, _) in staged.items():
             st = self.state[p]
             if isinstance(record, _Warmup):
                 # the averaged gradient; .grad may have been clipped or unscaled since (as with AdamW)
@@ -383,13 +383,14 @@ class OneBitAdamHookState(HookState):
     hook_name = "onebit_adam_hook"
     loss_scale_invariant = False  # Adam's step and the compressed momentum's scale follow the gradient's scale
 
-    __slots__ = ("warmup_steps", "compressed_steps")
+    __slots__ = ("warmup_steps", "compressed_steps", "buckets")
 
     def __init__(
         self, optimizer: OneBitAdam, topology: Topology | None = None, *, check_finite: bool = True, grad_scaler=None
     ):
         self.warmup_steps = self.compressed_steps = 0
         super().__init__(optimizer, topology, check_finite=check_finite, grad_scaler=grad_scaler)
+        self.buckets = DDPBuckets(self)  # DDP's side: where each gradient lies in its bucket
 
     def metrics(self) -> dict[str, float]:
         return {**super().metrics(), self.optimizer.metrics_prefix + "compressed_steps": self.compressed_steps}
@@ -428,11 +429,11 @@ def onebit_adam_hook(state: OneBitAdamHookState, bucket: dist.GradBucket) -> tor
     One all-to-all and one all-gather of ``(c/8 + 4k)`` bytes per peer per bucket (``c`` the elements
     of one shard of the bucket's ``k`` parameters, padded to whole bytes).
     """
-    items = state.begin_bucket(bucket)
+    items = state.buckets.begin(bucket)
     try:
         return _start_bucket(state, bucket, bucket.buffer(), items)
     except BaseException:
-        state.abort_bucket([item.param for item in items])  # nothing of this bucket stays staged
+        state.buckets.abort(items)  # nothing of this bucket stays staged
         raise
 
 
@@ -465,7 +466,7 @@ def _start_bucket(state: OneBitAdamHookState, bucket, buffer: torch.Tensor, item
                 item.in_place.copy_(item.grad.clone())
             return recv
 
-        return state.end_bucket(bucket, launch_in_order(topo, Job(Wire(topo, stats), start, finish)))
+        return state.buckets.end(bucket, launch_in_order(topo, Job(Wire(topo, stats), start, finish)))
 
     # compressed: worker side, here on the autograd thread
     layout, records, signs_list, scales_list, col = [], [], [], [], 0
@@ -511,7 +512,7 @@ def _start_bucket(state: OneBitAdamHookState, bucket, buffer: torch.Tensor, item
             seg.out.copy_(record.m_bar)
         return buffer
 
-    return state.end_bucket(bucket, launch_in_order(topo, Job(Wire(topo, stats), start, finish)))
+    return state.buckets.end(bucket, launch_in_order(topo, Job(Wire(topo, stats), start, finish)))
 
 
 class _Segment(NamedTuple):
