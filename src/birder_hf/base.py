@@ -644,7 +644,7 @@ class Setting(NamedTuple):
     problem: Callable[[Any], str | None]
 
 
-def _rule(ok: Callable[[Any], bool], expect: str) -> Setting:
+def rule(ok: Callable[[Any], bool], expect: str) -> Setting:
     return Setting(lambda value: None if ok(value) else "{name} must be " + expect)
 
 
@@ -659,16 +659,16 @@ def _lr_problem(value) -> str | None:
 
 
 LR = Setting(_lr_problem)
-NON_NEGATIVE = _rule(lambda v: is_real_number(v) and v >= 0, "a finite float >= 0")
-UNIT_INTERVAL = _rule(lambda v: is_real_number(v) and 0 <= v < 1, "a float in [0, 1)")
-FLAG = _rule(lambda v: isinstance(v, bool), "True or False")
-OPTIONAL_FLAG = _rule(lambda v: v is None or isinstance(v, bool), "None, True or False")
-INTEGER = _rule(is_integer, "an int")
+NON_NEGATIVE = rule(lambda v: is_real_number(v) and v >= 0, "a finite float >= 0")
+UNIT_INTERVAL = rule(lambda v: is_real_number(v) and 0 <= v < 1, "a float in [0, 1)")
+FLAG = rule(lambda v: isinstance(v, bool), "True or False")
+OPTIONAL_FLAG = rule(lambda v: v is None or isinstance(v, bool), "None, True or False")
+INTEGER = rule(is_integer, "an int")
 
 
 def choice(options: tuple) -> Setting:
     """One of ``options``."""
-    return _rule(lambda v: isinstance(v, str) and v in options, f"one of {', '.join(map(repr, options))}")
+    return rule(lambda v: isinstance(v, str) and v in options, f"one of {', '.join(map(repr, options))}")
 
 
 def tensor_problem(state: dict, key: str, shape) -> str | None:

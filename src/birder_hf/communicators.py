@@ -588,8 +588,7 @@ class BucketGrad(NamedTuple):
 class DDPBuckets:
     """DDP's side of a hook state (one each for :class:`birder_hf.BirderHookState` and
     :class:`birder_hf.OneBitAdamHookState`): where each gradient lies in the bucket DDP hands over, the guards, and
-    the agreement queued after the last bucket. A hook calls :meth:`begin` first, :meth:`end` last (:meth:`abort` on
-    a failure) and stages what it encoded with its state's ``stage`` in between.
+    the agreement queued after the last bucket. A hook's body is :meth:`run`.
 
     With ``skip_unused``, every parameter is watched (:class:`UsageMarks`: one Python call per parameter per
     backward): how a rank knows which parameters it used this step, since DDP hands the hook zeros for an unused one
@@ -609,6 +608,17 @@ class DDPBuckets:
         for p in new:
             self.state.marks.watch(p)
         return new
+
+    def run(self, bucket, start) -> torch.futures.Future:
+        """What the hook hands DDP for ``bucket``: ``start(items)`` (the hook's exchange of the bucket's
+        :class:`BucketGrad` items, staging what it encodes with the state's ``stage``) between :meth:`begin` and
+        :meth:`end`; on a failure nothing of the bucket stays staged."""
+        items = self.begin(bucket)
+        try:
+            return self.end(bucket, start(items))
+        except BaseException:
+            self.state.unstage([b.param for b in items])
+            raise
 
     def begin(self, bucket) -> list[BucketGrad]:
         """The bucket's parameters with their gradients and groups, checked (:class:`BucketGrad`); counts the bucket's
@@ -636,10 +646,6 @@ class DDPBuckets:
         """The Future to hand to DDP for ``bucket``: ``fut``, and after the last bucket the ranks' agreement on
         non-finite gradients (:meth:`HookState.queue_agreement`)."""
         return self.state.queue_agreement(fut) if self.state.check_finite and bucket.is_last() else fut
-
-    def abort(self, items: list[BucketGrad]) -> None:
-        """Forget what the bucket staged (its hook failed): the next backward starts clean."""
-        self.state.unstage([b.param for b in items])
 
     def _grad(self, bucket_index: int, buffer: torch.Tensor, p: torch.Tensor, group: dict, offset: int) -> BucketGrad:
         """Where ``p``'s gradient lies in the bucket, and where DDP reads a result the hook writes into the bucket.

@@ -198,15 +198,10 @@ def birder_hook(state: BirderHookState, bucket: dist.GradBucket) -> torch.future
     Returns a Future whose value is the direction ``d`` for the bucket (bucket dtype), identical on
     every rank, with ``E[d]`` the mean over ranks of their ``u``.
     """
-    items = state.buckets.begin(bucket)
-    try:
-        return _start_bucket(state, bucket, bucket.buffer(), items)
-    except BaseException:
-        state.buckets.abort(items)  # nothing of this bucket stays staged
-        raise
+    return state.buckets.run(bucket, lambda items: _start_bucket(state, bucket.buffer(), items))
 
 
-def _start_bucket(state: BirderHookState, bucket, buffer: torch.Tensor, items: list):
+def _start_bucket(state: BirderHookState, buffer: torch.Tensor, items: list) -> torch.futures.Future:
     # encode the bucket's parameters into scratch buffers (committed in optimizer.step()), start the all-reduce
     state.optimizer.check_state_matches([b.param for b in items])
     u_dtype = torch.float64 if buffer.dtype == torch.float64 else torch.float32
@@ -220,7 +215,7 @@ def _start_bucket(state: BirderHookState, bucket, buffer: torch.Tensor, items: l
     fut = state.staging.exchange(u_flat, keys)
     if buffer.dtype != u_dtype or strided:
         fut = then(fut, lambda f: _to_bucket_layout(f.value().to(buffer.dtype), strided))
-    return state.buckets.end(bucket, fut)
+    return fut
 
 
 def _to_bucket_layout(d: torch.Tensor, strided: list) -> torch.Tensor:

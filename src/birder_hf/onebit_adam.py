@@ -27,11 +27,11 @@ from .base import (
     NON_NEGATIVE,
     OneBitOptimizer,
     Setting,
-    _rule,
     all_finite,
     choice,
     is_integer,
     is_real_number,
+    rule,
     state_dtype,
     tensor_problem,
 )
@@ -103,11 +103,11 @@ class OneBitAdam(OneBitOptimizer):
     """
 
     settings = {
-        "lr": _rule(lambda v: is_real_number(v) and v >= 0, "a finite float >= 0"),
+        "lr": NON_NEGATIVE,
         "betas": Setting(_betas_problem),
         "eps": NON_NEGATIVE,
         "weight_decay": NON_NEGATIVE,
-        "freeze_step": _rule(
+        "freeze_step": rule(
             lambda v: is_integer(v) and v >= 1,
             "an int >= 1: the number of full-precision Adam warm-up steps, after which the variance is frozen (with "
             "0 it would stay zero); the paper uses about 15-25% of training",
@@ -145,15 +145,9 @@ class OneBitAdam(OneBitOptimizer):
         bias_correction: bool = True,
         scaling: str = "l2",
     ):
-        defaults = dict(
-            lr=lr,
-            betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            freeze_step=freeze_step,
-            bias_correction=bias_correction,
-            scaling=scaling,
-        )
+        betas = tuple(betas) if isinstance(betas, (tuple, list)) else betas
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "freeze_step": freeze_step,
+                    "bias_correction": bias_correction, "scaling": scaling}  # fmt: skip
         super().__init__(params, defaults)  # validates every setting and parameter
 
     def ddp_hook(self, *, topology, check_finite: bool, grad_scaler):
@@ -429,15 +423,10 @@ def onebit_adam_hook(state: OneBitAdamHookState, bucket: dist.GradBucket) -> tor
     One all-to-all and one all-gather of ``(c/8 + 4k)`` bytes per peer per bucket (``c`` the elements
     of one shard of the bucket's ``k`` parameters, padded to whole bytes).
     """
-    items = state.buckets.begin(bucket)
-    try:
-        return _start_bucket(state, bucket, bucket.buffer(), items)
-    except BaseException:
-        state.buckets.abort(items)  # nothing of this bucket stays staged
-        raise
+    return state.buckets.run(bucket, lambda items: _start_bucket(state, bucket.buffer(), items))
 
 
-def _start_bucket(state: OneBitAdamHookState, bucket, buffer: torch.Tensor, items: list):
+def _start_bucket(state: OneBitAdamHookState, buffer: torch.Tensor, items: list) -> torch.futures.Future:
     opt, topo = state.optimizer, state.topology
     n, rank = topo.world_size, topo.rank
     opt.check_state_matches([item.param for item in items])
@@ -466,7 +455,7 @@ def _start_bucket(state: OneBitAdamHookState, bucket, buffer: torch.Tensor, item
                 item.in_place.copy_(item.grad.clone())
             return recv
 
-        return state.buckets.end(bucket, launch_in_order(topo, Job(Wire(topo, stats), start, finish)))
+        return launch_in_order(topo, Job(Wire(topo, stats), start, finish))
 
     # compressed: worker side, here on the autograd thread
     layout, records, signs_list, scales_list, col = [], [], [], [], 0
@@ -512,7 +501,7 @@ def _start_bucket(state: OneBitAdamHookState, bucket, buffer: torch.Tensor, item
             seg.out.copy_(record.m_bar)
         return buffer
 
-    return state.buckets.end(bucket, launch_in_order(topo, Job(Wire(topo, stats), start, finish)))
+    return launch_in_order(topo, Job(Wire(topo, stats), start, finish))
 
 
 class _Segment(NamedTuple):

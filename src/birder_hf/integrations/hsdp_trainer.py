@@ -15,13 +15,10 @@ import logging
 import os
 
 from ..fsdp import hsdp_mesh, shard_model
+from . import needs_extra
 
-try:
+with needs_extra(__name__, "transformers", "transformers"):
     from transformers import Trainer
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "birder_hf.integrations.hsdp_trainer needs transformers: pip install 'birder-hf[transformers]'"
-    ) from exc
 
 __all__ = ["ShardedTrainerMixin", "HSDPTrainer"]
 

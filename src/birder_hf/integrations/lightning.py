@@ -74,15 +74,12 @@ from ..hook import BirderHookState, attach_ddp_hook
 from ..onebit_adam import OneBitAdam
 from ..optim import Birder
 from ..topology import Topology
+from . import needs_extra
 
-try:
+with needs_extra(__name__, "PyTorch Lightning", "lightning"):
     from lightning.pytorch.strategies import DDPStrategy
     from lightning.pytorch.trainer.states import TrainerFn
     from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "birder_hf.integrations.lightning needs PyTorch Lightning: pip install 'birder-hf[lightning]'"
-    ) from exc
 
 __all__ = ["BirderDDPStrategy", "birder_state_dir", "find_resumable_lightning_checkpoint"]
 

@@ -70,16 +70,13 @@ from ..model_card import fix_trainer_card, model_card_section, optimizer_descrip
 from ..onebit_adam import OneBitAdam
 from ..optim import DEFAULT_STALE, Birder
 from ..topology import Topology
+from . import needs_extra
 from .accelerate import check_really_distributed, report_skipped_step
 from .hsdp_trainer import HSDPTrainer, ShardedTrainerMixin
 
-try:
+with needs_extra(__name__, "transformers", "transformers"):
     from transformers import Trainer, TrainerCallback
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "birder_hf.integrations.transformers needs transformers: pip install 'birder-hf[transformers]'"
-    ) from exc
 
 __all__ = [
     "BirderArguments",
@@ -230,27 +227,13 @@ class BirderCallback(TrainerCallback):
         if hooked is not None:
             hooked.close()
         b = trainer.birder_args
+        comm = {"method": b.method, "inter_method": b.inter_method, "chunk_numel": b.chunk_numel}
+        comm["grad_scaler"] = getattr(trainer.accelerator, "scaler", None)  # fp16: the hook divides its scale out
         if trainer.birder_mesh is not None:
-            trainer.birder_hook_state = register_birder_fsdp(
-                trainer.model,
-                opt,
-                trainer.birder_mesh,
-                method=b.method,
-                inter_method=b.inter_method,
-                chunk_numel=b.chunk_numel,
-                grad_scaler=getattr(trainer.accelerator, "scaler", None),  # fp16: the hook divides its scale out
-            )
+            trainer.birder_hook_state = register_birder_fsdp(trainer.model, opt, trainer.birder_mesh, **comm)
             logger.info("%s: %s on %r", type(opt).__name__, trainer.birder_hook_state.description, trainer.birder_mesh)
             return
-        trainer.birder_hook_state = attach_ddp_hook(
-            trainer.model_wrapped,
-            opt,
-            topology=b.topology(),
-            method=b.method,
-            inter_method=b.inter_method,
-            chunk_numel=b.chunk_numel,
-            grad_scaler=getattr(trainer.accelerator, "scaler", None),
-        )
+        trainer.birder_hook_state = attach_ddp_hook(trainer.model_wrapped, opt, topology=b.topology(), **comm)
         state = trainer.birder_hook_state
         logger.info("%s: %s registered on %r", type(opt).__name__, state.description, state.topology)
 
