@@ -67,12 +67,8 @@ def shard_offset(p: torch.Tensor) -> int:
     if not shards:
         return 0
     if len(shards) > 1 or shards[0][1].dim != 0:
-        raise ValueError(
-            explain(
-                f"Birder supports one Shard(0) placement (FSDP2's), got {p.placements} for shape {tuple(p.shape)}",
-                "drop shard_placement_fn from fully_shard",
-            )
-        )
+        what = f"Birder supports one Shard(0) placement (FSDP2's), got {p.placements} for shape {tuple(p.shape)}"
+        raise ValueError(explain(what, "drop shard_placement_fn from fully_shard"))
     mesh_dim = shards[0][0]
     n, i = p.device_mesh.size(mesh_dim), p.device_mesh.get_local_rank(mesh_dim)
     rows = p.shape[0]
@@ -365,12 +361,9 @@ class OneBitOptimizer(Optimizer):
         for p in params:
             g = p.grad
             if g is not None and tuple(local_tensor(g).shape) != tuple(local_tensor(p).shape):
-                raise RuntimeError(
-                    explain(
-                        f"A parameter of shape {tuple(p.shape)} has a gradient of shape {tuple(g.shape)}",
-                        "resize the model before creating the optimizer; nothing was stepped",
-                    )
-                )
+                what = f"A parameter of shape {tuple(p.shape)} has a gradient of shape {tuple(g.shape)}"
+                fix = "resize the model before creating the optimizer; nothing was stepped"
+                raise RuntimeError(explain(what, fix))
         for p in params:
             st = self.state.get(p)
             if not st:
@@ -477,12 +470,8 @@ class OneBitOptimizer(Optimizer):
         seen: set[int] = set()
         for i, p in enumerate(params):
             if id(p) in seen:
-                raise ValueError(
-                    explain(
-                        f"Parameter {i}{where} (shape {tuple(p.shape)}) appears twice in the group",
-                        "Pass each parameter once (list(dict.fromkeys(params)))",
-                    )
-                )
+                what = f"Parameter {i}{where} (shape {tuple(p.shape)}) appears twice in the group"
+                raise ValueError(explain(what, "Pass each parameter once (list(dict.fromkeys(params)))"))
             seen.add(id(p))
 
     def _state_problem(self, p: torch.Tensor, state: dict, group: dict) -> str | None:
@@ -546,12 +535,9 @@ class OneBitOptimizer(Optimizer):
                     )
                 )
             if missing:
-                raise ValueError(
-                    explain(
-                        f"Param group {i} of the state dict being loaded lacks {name}'s settings {missing}",
-                        f"load the state dict {name} saved (per rank: birder_hf.checkpoint.load_rank_state)",
-                    )
-                )
+                what = f"Param group {i} of the state dict being loaded lacks {name}'s settings {missing}"
+                fix = f"load the state dict {name} saved (per rank: birder_hf.checkpoint.load_rank_state)"
+                raise ValueError(explain(what, fix))
             self._check_settings(saved, where)
         saved_ids = [i for g in saved_groups for i in g["params"]]
         # torch.optim keeps entries of "state" that belong to no parameter as they are (hooks and libraries stash

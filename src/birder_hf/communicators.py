@@ -329,12 +329,8 @@ class HookState(Communicator):
                 f"{name} needs a birder_hf.{self.optimizer_class.__name__} optimizer, got {type(optimizer).__name__}."
             )
         if optimizer.communicator is not None:
-            raise ValueError(
-                explain(
-                    f"This {type(optimizer).__name__} optimizer already has a hook state or a communicator",
-                    f"register {self.hook_name} once per model and optimizer",
-                )
-            )
+            what = f"This {type(optimizer).__name__} optimizer already has a hook state or a communicator"
+            raise ValueError(explain(what, f"register {self.hook_name} once per model and optimizer"))
         if topology is not None and not isinstance(topology, Topology):
             raise TypeError(f"topology must be a birder_hf.Topology, got {type(topology).__name__}.")
         if topology is not None:
@@ -357,12 +353,8 @@ class HookState(Communicator):
         return self.hook_name
 
     def __getstate__(self):
-        raise TypeError(
-            explain(
-                f"{type(self).__name__} holds process groups and is not saved",
-                "save the optimizer (birder_hf.checkpoint.save_rank_state) and build a new hook state after loading",
-            )
-        )
+        fix = "save the optimizer (birder_hf.checkpoint.save_rank_state) and build a new hook state after loading"
+        raise TypeError(explain(f"{type(self).__name__} holds process groups and is not saved", fix))
 
     def close(self) -> None:
         """Release what the hook holds, now: wait for its last exchange, drop a step that was not applied, detach from
@@ -491,12 +483,8 @@ class HookState(Communicator):
         if not self.loss_scale_invariant:
             raise RuntimeError(explain(f"{self.hook_name} cannot train with fp16 loss scaling", "use bf16 (or fp32)"))
         if not self.check_finite:
-            raise ValueError(
-                explain(
-                    f"{type(self).__name__}(check_finite=False) would apply a GradScaler's overflow steps",
-                    "keep check_finite=True",
-                )
-            )
+            what = f"{type(self).__name__}(check_finite=False) would apply a GradScaler's overflow steps"
+            raise ValueError(explain(what, "keep check_finite=True"))
         scale = getattr(opt, "grad_scale", None)
         if scale is not None and self._pending and float(scale) != self.loss_scale():
             used = self.loss_scale()
@@ -510,12 +498,9 @@ class HookState(Communicator):
                 )
             )
         if scale is None:
-            raise RuntimeError(
-                explain(
-                    f"GradScaler.unscale_ (clip_grad_norm_ calls it) ran on {self.hook_name}'s direction in .grad",
-                    "Do not unscale or clip with the 1-bit hook (a step is bounded by lr already)",
-                )
-            )
+            what = f"GradScaler.unscale_ (clip_grad_norm_ calls it) ran on {self.hook_name}'s direction in .grad"
+            fix = "Do not unscale or clip with the 1-bit hook (a step is bounded by lr already)"
+            raise RuntimeError(explain(what, fix))
 
     def _close_step(self) -> dict[torch.Tensor, Staged]:
         # the end of a step, applied or not: hand over what was staged, close the step's statistics
@@ -562,12 +547,9 @@ class HookState(Communicator):
         ]
         if unseen:
             p = unseen[0]
-            raise RuntimeError(
-                explain(
-                    f"A parameter of shape {tuple(p.shape)} has a gradient but {self.hook_name} did not see it",
-                    f"optimize only parameters of {self.wrapped_name} the hook is registered on",
-                )
-            )
+            what = f"A parameter of shape {tuple(p.shape)} has a gradient but {self.hook_name} did not see it"
+            fix = f"optimize only parameters of {self.wrapped_name} the hook is registered on"
+            raise RuntimeError(explain(what, fix))
         for p in unused:  # no rank computed a gradient for it: no step, as for a gradient of None
             del pending[p]
         if pending:
@@ -804,12 +786,8 @@ class StepAllReduce(Communicator):
                     layout = (topology.num_nodes, topology.local_world_size)
                 else:
                     if process_group is getattr(dist.GroupMember, "NON_GROUP_MEMBER", object()):
-                        raise ValueError(
-                            explain(
-                                "This process is not a member of process_group",
-                                "pass process_group= only on the group's ranks",
-                            )
-                        )
+                        fix = "pass process_group= only on the group's ranks"
+                        raise ValueError(explain("This process is not a member of process_group", fix))
                     if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
                         raise TypeError(
                             "process_group must be a torch.distributed ProcessGroup (e.g. dist.group.WORLD), got "

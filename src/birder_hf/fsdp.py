@@ -255,21 +255,14 @@ def _refuse_wrappers(model) -> torch.nn.Module:
     inner = getattr(model, "_orig_mod", model)
     name = type(inner).__name__
     if isinstance(inner, torch.nn.parallel.DistributedDataParallel):
-        raise TypeError(
-            explain(
-                "register_birder_fsdp got a DistributedDataParallel model",
-                "use birder_hf.hook.attach_ddp_hook(model, optimizer) (accelerate: register_birder_hook)",
-            )
-        )
+        fix = "use birder_hf.hook.attach_ddp_hook(model, optimizer) (accelerate: register_birder_hook)"
+        raise TypeError(explain("register_birder_fsdp got a DistributedDataParallel model", fix))
     if isinstance(inner, FullyShardedDataParallel) or any(
         isinstance(m, FullyShardedDataParallel) for m in inner.modules()
     ):
-        raise TypeError(
-            explain(
-                "register_birder_fsdp supports FSDP2 (fully_shard), not FSDP1 (FullyShardedDataParallel)",
-                "wrap with fully_shard(module, mesh=mesh['shard']) (accelerate: fsdp_version: 2)",
-            )
-        )
+        what = "register_birder_fsdp supports FSDP2 (fully_shard), not FSDP1 (FullyShardedDataParallel)"
+        fix = "wrap with fully_shard(module, mesh=mesh['shard']) (accelerate: fsdp_version: 2)"
+        raise TypeError(explain(what, fix))
     if "DeepSpeed" in name:
         raise TypeError(
             explain("Birder does not run under DeepSpeed (ZeRO reduces gradients itself)", "use FSDP2 or DDP")
@@ -301,41 +294,30 @@ def _check_model(model, optimizer: Birder, grid: list[list[int]]) -> None:
             f"The mesh {grid} must cover every rank of the default process group ({dist.get_world_size()}), once."
         )
     for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        where = f"parameter {name!r} (shape {tuple(p.shape)})"
-        if not is_sharded(p):
-            raise ValueError(
-                explain(f"{where} is not sharded by FSDP2: its gradient would stay rank-local", "shard the root too")
-            )
-        mesh = p.device_mesh
-        if mesh.ndim != 1:
-            raise ValueError(
-                explain(
-                    f"{where} is on a {mesh.ndim}-D mesh ({p.placements}): native 2-D HSDP reduces in full precision",
-                    "shard on the node: shard_model(model, mesh['shard']) (Trainer: BirderArguments(sharding='hsdp'))",
-                )
-            )
-        ranks = mesh.mesh.tolist()
-        if ranks != row:
-            raise ValueError(
-                explain(
-                    f"{where} is sharded over ranks {ranks}, but this rank's node in the mesh holds {row}",
-                    "shard with fully_shard(module, mesh=mesh['shard']) on this mesh",
-                )
-            )
-        if p.device.type != mesh.device_type:
-            raise ValueError(
-                explain(f"{where} is on {p.device} but the mesh on {mesh.device_type}", "drop offload_policy")
-            )
-        shard_offset(p)  # raises for placements other than Shard(0)
-        if optimizer.group_of(p) is None:
-            raise ValueError(
-                explain(
-                    f"{where} requires grad but is not in the Birder optimizer",
-                    "build the optimizer from the sharded model's parameters, after fully_shard",
-                )
-            )
+        problem = _parameter_problem(p, row, optimizer) if p.requires_grad else None
+        if problem is not None:
+            raise ValueError(explain(f"parameter {name!r} (shape {tuple(p.shape)}) {problem[0]}", problem[1]))
+
+
+def _parameter_problem(p: torch.Tensor, row: list[int], optimizer: Birder) -> tuple[str, str] | None:
+    """What is wrong with a trainable parameter for 1-bit HSDP, and the fix; ``None``: nothing."""
+    if not is_sharded(p):
+        return "is not sharded by FSDP2: its gradient would stay rank-local", "shard the root too"
+    mesh = p.device_mesh
+    if mesh.ndim != 1:
+        what = f"is on a {mesh.ndim}-D mesh ({p.placements}): native 2-D HSDP reduces in full precision"
+        return what, "shard on the node: shard_model(model, mesh['shard']) (Trainer: BirderArguments(sharding='hsdp'))"
+    ranks = mesh.mesh.tolist()
+    if ranks != row:
+        what = f"is sharded over ranks {ranks}, but this rank's node in the mesh holds {row}"
+        return what, "shard with fully_shard(module, mesh=mesh['shard']) on this mesh"
+    if p.device.type != mesh.device_type:
+        return f"is on {p.device} but the mesh on {mesh.device_type}", "drop offload_policy"
+    shard_offset(p)  # raises for placements other than Shard(0)
+    if optimizer.group_of(p) is None:
+        what = "requires grad but is not in the Birder optimizer"
+        return what, "build the optimizer from the sharded model's parameters, after fully_shard"
+    return None
 
 
 def register_birder_fsdp(
@@ -387,23 +369,16 @@ def register_birder_fsdp(
     if not isinstance(opt, Birder):
         raise TypeError(f"register_birder_fsdp needs a birder_hf.Birder optimizer, got {type(opt).__name__}.")
     if opt.communicator is not None:
-        raise ValueError(
-            explain(
-                f"This Birder optimizer already has a communicator ({type(opt.communicator).__name__})",
-                "call register_birder_fsdp once, and pass no process_group=/topology= to Birder",
-            )
-        )
+        what = f"This Birder optimizer already has a communicator ({type(opt.communicator).__name__})"
+        fix = "call register_birder_fsdp once, and pass no process_group=/topology= to Birder"
+        raise ValueError(explain(what, fix))
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("register_birder_fsdp needs torch.distributed to be initialized (init_process_group).")
     from torch.distributed import fsdp as torch_fsdp
 
     if in_backward and not hasattr(getattr(torch_fsdp, "FSDPModule", None), "set_all_reduce_hook"):
-        raise RuntimeError(
-            explain(
-                f"torch {torch.__version__} has no FSDPModule.set_all_reduce_hook (torch >= 2.7 has)",
-                "upgrade torch, or pass in_backward=False",
-            )
-        )
+        what = f"torch {torch.__version__} has no FSDPModule.set_all_reduce_hook (torch >= 2.7 has)"
+        raise RuntimeError(explain(what, "upgrade torch, or pass in_backward=False"))
     inner = _refuse_wrappers(model)
     grid = _shard_grid(mesh)
     _check_model(inner, opt, grid)
@@ -415,12 +390,8 @@ def register_birder_fsdp(
         except RuntimeError:  # a torch whose FSDP2 internals moved: unused parameters are those whose .grad is None
             units = None
     if in_backward and not units:
-        raise ValueError(
-            explain(
-                "register_birder_fsdp found no FSDP2 module with parameters in the model",
-                "shard it first: shard_model(model, mesh['shard'])",
-            )
-        )
+        fix = "shard it first: shard_model(model, mesh['shard'])"
+        raise ValueError(explain("register_birder_fsdp found no FSDP2 module with parameters in the model", fix))
     if len(grid) == 1:
         warnings.warn(
             "register_birder_fsdp: the mesh has no replicate dimension, so FSDP's full-precision reduce-scatter "

@@ -387,12 +387,8 @@ def _mesh_grid(mesh, where: str) -> list[list[int]]:
     # a group's ranks are ordered by global rank: the mesh must ascend along both dimensions for
     # those orders to be the mesh's local and node indices
     if any(sorted(row) != row for row in grid) or any(sorted(col) != list(col) for col in zip(*grid)):
-        raise ValueError(
-            explain(
-                f"{where}: the mesh's ranks do not ascend along both dimensions",
-                "build it with init_device_mesh(device, (num_nodes, local_world_size)), or use Topology.from_layout",
-            )
-        )
+        fix = "build it with init_device_mesh(device, (num_nodes, local_world_size)), or use Topology.from_layout"
+        raise ValueError(explain(f"{where}: the mesh's ranks do not ascend along both dimensions", fix))
     return grid
 
 

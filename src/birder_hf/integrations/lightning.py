@@ -152,12 +152,8 @@ def find_resumable_lightning_checkpoint(dirpath: str | os.PathLike) -> str | Non
 
 def _check_trainer_settings(precision: str, gradient_clip_val: float | None) -> None:
     if gradient_clip_val is not None and gradient_clip_val > 0:
-        raise ValueError(
-            explain(
-                f"Trainer(gradient_clip_val={gradient_clip_val}) would clip Birder's direction (in [-1, 1]) in .grad",
-                "Remove gradient_clip_val (a step is bounded by lr already)",
-            )
-        )
+        what = f"Trainer(gradient_clip_val={gradient_clip_val}) would clip Birder's direction (in [-1, 1]) in .grad"
+        raise ValueError(explain(what, "Remove gradient_clip_val (a step is bounded by lr already)"))
 
 
 def _check_precision(precision: str, opt) -> None:
@@ -394,12 +390,9 @@ class BirderDDPStrategy(DDPStrategy):
         bad = next(((r, p) for r, (_, p) in enumerate(reports) if p is not None), None)
         if bad is not None:
             rank, problem = bad
-            raise RuntimeError(
-                explain(
-                    f"{path} is not complete on every rank (rank {rank} sees: {problem}); nothing was loaded",
-                    "pass ckpt_path=find_resumable_lightning_checkpoint(dirpath) to trainer.fit",
-                )
-            )
+            what = f"{path} is not complete on every rank (rank {rank} sees: {problem}); nothing was loaded"
+            fix = "pass ckpt_path=find_resumable_lightning_checkpoint(dirpath) to trainer.fit"
+            raise RuntimeError(explain(what, fix))
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
         super().load_optimizer_state_dict(checkpoint)  # rank 0's state, on every rank
@@ -410,12 +403,9 @@ class BirderDDPStrategy(DDPStrategy):
         try:
             state = read_own_rank_state(opt, folder, rank=self.global_rank, world_size=self.world_size)
         except FileNotFoundError as exc:
-            raise FileNotFoundError(
-                explain(
-                    f"{path} has no per-rank Birder state ({folder}/): not written by BirderDDPStrategy or not copied",
-                    f"resume from a checkpoint BirderDDPStrategy saved ({exc})",
-                )
-            ) from exc
+            what = f"{path} has no per-rank Birder state ({folder}/): not written by BirderDDPStrategy or not copied"
+            fix = f"resume from a checkpoint BirderDDPStrategy saved ({exc})"
+            raise FileNotFoundError(explain(what, fix)) from exc
         opt.load_state_dict(state)
 
     def teardown(self) -> None:

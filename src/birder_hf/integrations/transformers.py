@@ -402,12 +402,8 @@ def _check_supported_setup(args, b: BirderArguments, trainer=None) -> None:
     default = getattr(default, "default", optim)
     if optim != getattr(default, "value", default):
         name = "OneBitAdam" if b.optimizer == "onebitadam" else "Birder"
-        raise ValueError(
-            explain(
-                f"TrainingArguments.optim={optim!r}: BirderTrainer trains with {name} and would ignore it",
-                f"Leave --optim at its default ({getattr(default, 'value', default)!r})",
-            )
-        )
+        what = f"TrainingArguments.optim={optim!r}: BirderTrainer trains with {name} and would ignore it"
+        raise ValueError(explain(what, f"Leave --optim at its default ({getattr(default, 'value', default)!r})"))
     if args.fp16 and b.optimizer == "onebitadam":
         raise ValueError(
             "1-bit Adam cannot train with fp16 loss scaling: its hook encodes the scaled gradients, and Adam's step "
@@ -422,12 +418,8 @@ def _check_supported_setup(args, b: BirderArguments, trainer=None) -> None:
         if on
     ]
     if sharded:
-        raise ValueError(
-            explain(
-                f"BirderTrainer does not train with the Trainer's own {' or '.join(sharded)} (it bypasses the hook)",
-                "drop --fsdp/--deepspeed; to shard use BirderArguments(sharding='hsdp')",
-            )
-        )
+        what = f"BirderTrainer does not train with the Trainer's own {' or '.join(sharded)} (it bypasses the hook)"
+        raise ValueError(explain(what, "drop --fsdp/--deepspeed; to shard use BirderArguments(sharding='hsdp')"))
 
 
 class BirderTrainer(BirderTrainerMixin, Trainer):
