@@ -448,9 +448,7 @@ class OneBitOptimizer(Optimizer):
             close = difflib.get_close_matches(key, list(self.settings), n=1, cutoff=0.8)
             if close or key in self._FOREIGN_SETTINGS:
                 hint = f"did you mean {close[0]!r}?" if close else f"{name}'s settings are {', '.join(self.settings)}"
-                raise ValueError(
-                    f"Unknown setting {key!r}{where}: {name} would keep it and ignore it ({hint})."
-                )
+                raise ValueError(f"Unknown setting {key!r}{where}: {name} would keep it and ignore it ({hint}).")
 
     def _check_params(self, params: list, where: str) -> None:
         """Real floating-point parameters, each once (torch only warns about a duplicate: it would step twice)."""

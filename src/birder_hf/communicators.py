@@ -210,14 +210,11 @@ class HookState(Communicator):
     ``step()`` commits them), the ranks' agreement, the loss scale and the statistics. Its subclasses own where the
     gradients come from (a :class:`DDPBuckets`; FSDP's units) and turn :meth:`take_staged` into ``finish_step``.
 
-    Non-finite gradients: every bucket's (unit's) values are checked; the ranks agree (one tiny all-reduce) whether
-    any rank had a non-finite value: DDP's hooks queue it after the last bucket (:meth:`queue_agreement`; the last
-    bucket's direction is then NaN on every rank, what DDP's fp32 all-reduce would give and what
-    ``torch.amp.GradScaler`` looks for), the FSDP hook when ``step()`` or the scaler asks, over ``agree_group``.
-    ``step()`` then skips everywhere, and ``m``, ``b`` and the parameters stay as they were (the hook staged the new
-    state; only ``step()`` commits it). With ``skip_unused``, the same all-reduce also says which parameters no rank
-    computed a gradient for (4 more bytes per parameter, :attr:`marks`): they are not stepped, as with a gradient of
-    None.
+    Non-finite gradients: the ranks agree (one tiny all-reduce: DDP's after the last bucket, :meth:`queue_agreement`,
+    which makes its direction NaN on every rank as DDP's fp32 all-reduce would; FSDP's when ``step()`` or the scaler
+    asks) whether any rank had one; then ``step()`` skips everywhere, and ``m``, ``b`` and the parameters stay as they
+    were (only ``step()`` commits what the hook staged). With ``skip_unused`` the same all-reduce says which
+    parameters no rank used (:attr:`marks`, 4 more bytes per parameter): they are not stepped.
 
     fp16 loss scaling (``GradScaler`` must not un-scale the direction in ``.grad``): ``docs/ARCHITECTURE.md``, "The
     contract", item 5; the next backward drops the state a skipped step staged.
@@ -335,6 +332,8 @@ class HookState(Communicator):
             raise TypeError(f"topology must be a birder_hf.Topology, got {type(topology).__name__}.")
         if topology is not None:
             topology.check_open()
+        if self.comm_settings is not None and not all(g.get("quantize", True) for g in optimizer.param_groups):
+            raise ValueError("quantize=False is for one process only; the 1-bit hook always sends 1 bit.")
 
     @property
     def agree_group(self):

@@ -171,10 +171,6 @@ class FSDPHookState(HookState):
         comm = (method, kwargs.pop("inter_method", DEFAULT_INTER_METHOD), kwargs.pop("chunk_numel", None))
         super().__init__(optimizer, topology, comm_settings=comm, **kwargs)
 
-    def _check_setup(self, optimizer, topology) -> None:
-        super()._check_setup(optimizer, topology)
-        BirderStaging.check(optimizer)
-
     @property
     def description(self) -> str:
         k = self.topology.num_nodes

@@ -56,12 +56,6 @@ class BirderStaging:
         self.state = state
         self._scratch: dict[torch.Tensor, StateBuffers] = {}  # param -> the buffers its next step writes into
 
-    @staticmethod
-    def check(optimizer: Birder) -> None:
-        """This rank's own check of Birder's settings for a hook (before the ranks agree on the set-up)."""
-        if not all(g["quantize"] for g in optimizer.param_groups):
-            raise ValueError("quantize=False is for one process only; the 1-bit hook always sends 1 bit.")
-
     def buffer_bytes(self) -> int:
         """Bytes of the buffers kept between steps: the staged ``m``, ``b`` (and max ``b``) of every parameter."""
         return sum(t.nbytes for bufs in self._scratch.values() for t in bufs if t is not None)
@@ -174,10 +168,6 @@ class BirderHookState(HookState):
         kwargs = {"check_finite": check_finite, "agree_group": agree_group, "grad_scaler": grad_scaler}
         super().__init__(optimizer, topology, comm_settings=(method, inter_method, chunk_numel), **kwargs)
         self.buckets = DDPBuckets(self)
-
-    def _check_setup(self, optimizer, topology) -> None:
-        super()._check_setup(optimizer, topology)
-        BirderStaging.check(optimizer)
 
     @property
     def description(self) -> str:
