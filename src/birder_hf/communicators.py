@@ -488,7 +488,6 @@ class HookState(Communicator):
         if scale is not None and self._pending and float(scale) != self.loss_scale():
             used = self.loss_scale()
             self._close_step()  # drop the step: the next backward starts clean
-            self._verdict = None
             raise RuntimeError(
                 explain(
                     f"{self.hook_name} encoded this step's gradients at loss scale {used:g}, but the GradScaler "
@@ -502,11 +501,11 @@ class HookState(Communicator):
             raise RuntimeError(explain(what, fix))
 
     def _close_step(self) -> dict[torch.Tensor, Staged]:
-        # the end of a step, applied or not: hand over what was staged, close the step's statistics
+        # the end of a step, applied or not: hand over what was staged, forget its agreement, close its statistics
         for fut in self.in_flight:  # every exchange ends before anything else: the next step reuses the buffers
             fut.wait()
         pending, self._pending, self._flags, self.in_flight = self._pending, {}, [], []
-        self._scale = None
+        self._scale = self._verdict = None
         self.marks.clear()
         step_stats, self.step_stats = self.step_stats, CommStats()
         self.stats += step_stats
@@ -515,7 +514,6 @@ class HookState(Communicator):
 
     def _skip(self) -> None:
         self._close_step()
-        self._verdict = None
         self.skipped_steps += 1
         warnings.warn(
             f"{type(self.optimizer).__name__}: a rank had a non-finite gradient; every rank skipped the step.",
@@ -534,12 +532,10 @@ class HookState(Communicator):
             order = self._unused_order()
             # not through DDP's last bucket (FSDP, or step() mid-backward): agreed now
             agreed = self._agreed_verdict().tolist()
-            self._verdict = None
             if agreed[0] != 0:
                 self._skip()
                 return None
             unused = [p for p, used in zip(order, agreed[1:]) if used == 0]
-        self._verdict = None
         pending = self._close_step()
         unseen = [
             p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None and p not in pending

@@ -248,11 +248,9 @@ class OneBitAdam(OneBitOptimizer):
                 continue
             if record.m_bar is None:
                 raise RuntimeError("onebit_adam_hook's communication did not finish before optimizer.step().")
-            st["worker_error"], st["exp_avg"], st["server_error"] = (
-                record.worker_error,
-                record.m_bar,
-                record.server_error,
-            )
+            st["worker_error"] = record.worker_error
+            st["exp_avg"] = record.m_bar
+            st["server_error"] = record.server_error
             _adam_update(p, st, group)
 
 

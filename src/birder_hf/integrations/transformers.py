@@ -280,14 +280,11 @@ class BirderTrainerMixin(ShardedTrainerMixin):
         if self.optimizer is None and self.optimizer_cls_and_kwargs is None:
             a, b = self.args, self.birder_args
             if b.optimizer == "onebitadam":
-                cls, extra = (
-                    OneBitAdam,
-                    dict(betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon, freeze_step=b.freeze_step),
-                )
+                cls = OneBitAdam
+                extra = dict(betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon, freeze_step=b.freeze_step)
             else:
-                cls, extra = Birder, dict(
-                    beta=b.beta, amsgrad=b.amsgrad, stale=b.stale, quantize=b.quantize, seed=a.seed
-                )
+                cls = Birder
+                extra = dict(beta=b.beta, amsgrad=b.amsgrad, stale=b.stale, quantize=b.quantize, seed=a.seed)
             self.optimizer_cls_and_kwargs = (cls, dict(lr=a.learning_rate, weight_decay=a.weight_decay, **extra))
         return super().create_optimizer(model) if model is not None else super().create_optimizer()
 
