@@ -108,7 +108,8 @@ class GroupGrads(NamedTuple):
 
 
 class Update(NamedTuple):
-    """What ``step()`` applies to one param group: one synchronized direction per parameter."""
+    """What ``step()`` applies to one param group: one synchronized direction per parameter (1-bit Adam's hook: its
+    record of the parameter's exchange). Every communicator's ``finish_step`` returns a list of them, or ``None``."""
 
     group: dict
     params: list[torch.Tensor]

@@ -27,6 +27,7 @@ from .base import (
     NON_NEGATIVE,
     OneBitOptimizer,
     Setting,
+    Update,
     all_finite,
     choice,
     is_integer,
@@ -237,21 +238,21 @@ class OneBitAdam(OneBitOptimizer):
                 _adam_update(p, st, group)
         return False
 
-    def _step_communicated(self, staged: dict | None) -> None:
-        if staged is None:
-            return  # a rank had a non-finite gradient: every rank skips the step
-        for p, (group, record, _) in staged.items():
-            st = self.state[p]
-            if isinstance(record, _Warmup):
-                # the averaged gradient; .grad may have been clipped or unscaled since (as with AdamW)
-                _adam_update(p, st, group, grad=p.grad if p.grad is not None else record.grad)
-                continue
-            if record.m_bar is None:
-                raise RuntimeError("onebit_adam_hook's communication did not finish before optimizer.step().")
-            st["worker_error"] = record.worker_error
-            st["exp_avg"] = record.m_bar
-            st["server_error"] = record.server_error
-            _adam_update(p, st, group)
+    def _step_communicated(self, updates: list[Update] | None) -> None:
+        # None: a rank had a non-finite gradient, and every rank skips the step; a direction is the hook's record
+        for group, params, records in updates or ():
+            for p, record in zip(params, records):
+                st = self.state[p]
+                if isinstance(record, _Warmup):
+                    # the averaged gradient; .grad may have been clipped or unscaled since (as with AdamW)
+                    _adam_update(p, st, group, grad=p.grad if p.grad is not None else record.grad)
+                    continue
+                if record.m_bar is None:
+                    raise RuntimeError("onebit_adam_hook's communication did not finish before optimizer.step().")
+                st["worker_error"] = record.worker_error
+                st["exp_avg"] = record.m_bar
+                st["server_error"] = record.server_error
+                _adam_update(p, st, group)
 
 
 def _local_momentum(st: dict, grad: torch.Tensor, group: dict) -> torch.Tensor:
@@ -399,13 +400,16 @@ class OneBitAdamHookState(HookState):
     def description(self) -> str:
         return "1-bit Adam hook"
 
-    def finish_step(self) -> dict | None:
+    def finish_step(self) -> list[Update] | None:
+        """Agree the step is finite and hand ``step()`` each parameter's record of the exchange as its direction."""
         staged = self.take_staged()
-        if staged:
-            kinds = {type(s.record) for s in staged.values()}
-            self.warmup_steps += _Warmup in kinds
-            self.compressed_steps += _Compressed in kinds
-        return staged
+        if staged is None:
+            return None
+        kinds = {type(s.record) for s in staged.values()}
+        self.warmup_steps += _Warmup in kinds
+        self.compressed_steps += _Compressed in kinds
+        groups = [(g, [p for p in g["params"] if p in staged]) for g in self.optimizer.param_groups]
+        return [Update(g, ps, [staged[p].record for p in ps]) for g, ps in groups if ps]
 
 
 def onebit_adam_hook(state: OneBitAdamHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
