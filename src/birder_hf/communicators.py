@@ -587,12 +587,13 @@ class DDPBuckets:
         return new
 
     def run(self, bucket, start) -> torch.futures.Future:
-        """What the hook hands DDP for ``bucket``: ``start(items)`` (the hook's exchange of the bucket's
-        :class:`BucketGrad` items, staging what it encodes with the state's ``stage``) between :meth:`begin` and
-        :meth:`end`; on a failure nothing of the bucket stays staged."""
+        """What the hook hands DDP for ``bucket``: ``start(items)``, the hook's exchange of the bucket's checked
+        :class:`BucketGrad` items (it stages what it encodes with the state's ``stage``), and after the last bucket the
+        ranks' agreement (:meth:`HookState.queue_agreement`). On a failure nothing of the bucket stays staged."""
         items = self.begin(bucket)
         try:
-            return self.end(bucket, start(items))
+            fut = start(items)
+            return self.state.queue_agreement(fut) if self.state.check_finite and bucket.is_last() else fut
         except BaseException:
             self.state.unstage([b.param for b in items])
             raise
@@ -618,11 +619,6 @@ class DDPBuckets:
             if state.skip_unused:  # a parameter added since: watched from now on, counted as used this step
                 state.marks.used.update(self._watch([b.param for b in items]))
         return items
-
-    def end(self, bucket, fut: torch.futures.Future) -> torch.futures.Future:
-        """The Future to hand to DDP for ``bucket``: ``fut``, and after the last bucket the ranks' agreement on
-        non-finite gradients (:meth:`HookState.queue_agreement`)."""
-        return self.state.queue_agreement(fut) if self.state.check_finite and bucket.is_last() else fut
 
     def _grad(self, bucket_index: int, buffer: torch.Tensor, p: torch.Tensor, group: dict, offset: int) -> BucketGrad:
         """Where ``p``'s gradient lies in the bucket, and where DDP reads a result the hook writes into the bucket.

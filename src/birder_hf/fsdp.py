@@ -41,6 +41,7 @@ Usage::
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import NamedTuple
 
@@ -426,20 +427,8 @@ def register_birder_fsdp(
             # torch has no such switch: a unit with an unused parameter then fails with a clear error in backward)
             if hasattr(unit.module, "set_reduce_scatter_unused_params"):
                 unit.module.set_reduce_scatter_unused_params(True, recurse=False)
-            unit.module.set_all_reduce_hook(_UnitHook(state, index, unit))
+            unit.module.set_all_reduce_hook(functools.partial(state.reduce, index, unit))  # hook(reduce_output)
     except BaseException:
         state.detach()
         raise
     return state
-
-
-class _UnitHook:
-    """The callable FSDP calls with one unit's reduce-scatter output (``hook(reduce_output) -> None``)."""
-
-    __slots__ = ("state", "index", "unit")
-
-    def __init__(self, state: FSDPHookState, index: int, unit: FSDPUnit):
-        self.state, self.index, self.unit = state, index, unit
-
-    def __call__(self, reduce_output: torch.Tensor) -> None:
-        self.state.reduce(self.index, self.unit, reduce_output)
