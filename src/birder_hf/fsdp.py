@@ -271,13 +271,11 @@ def _shard_grid(mesh) -> list[list[int]]:
     """``grid[node][local]`` of a 2-D (replicate, shard) mesh, or the one row of a 1-D mesh (FSDP over all ranks)."""
     ndim = getattr(mesh, "ndim", None)
     if ndim not in (1, 2) or not hasattr(mesh, "mesh"):
-        raise ValueError(
-            explain(
-                f"register_birder_fsdp needs a 2-D (replicate, shard) DeviceMesh, got {type(mesh).__name__}"
-                f"{'' if ndim is None else f' of {ndim} dimensions'}",
-                "build it with birder_hf.fsdp.hsdp_mesh(num_nodes)",
-            )
+        what = (
+            f"register_birder_fsdp needs a 2-D (replicate, shard) DeviceMesh, got {type(mesh).__name__}"
+            f"{'' if ndim is None else f' of {ndim} dimensions'}"
         )
+        raise ValueError(explain(what, "build it with birder_hf.fsdp.hsdp_mesh(num_nodes)"))
     grid = mesh.mesh.tolist()
     return grid if ndim == 2 else [grid]
 

@@ -119,8 +119,9 @@ def _launcher_nodes() -> int:
 
 
 def _model_keys(model, saved: dict, folder: str) -> dict:
-    """``saved`` (what ``save_pretrained`` wrote) under ``model``'s own keys, checked: every weight of the model is there
-    but tied ones (saved once), and nothing else. Raises ``ValueError`` naming the keys, before anything is loaded.
+    """``saved`` (what ``save_pretrained`` wrote) under ``model``'s own keys, checked: every weight of the model is
+    there but tied ones (saved once), and nothing else. Raises ``ValueError`` naming the keys, before anything is
+    loaded.
 
     transformers saves some models under their checkpoints' original names (a ``ViTForImageClassification``'s
     ``...attention.attention.key...`` for its ``...attention.k_proj...``); ``from_pretrained`` renames them back, a

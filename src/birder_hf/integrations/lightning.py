@@ -166,13 +166,11 @@ def _check_precision(precision: str, opt) -> None:
 def _one_bit_optimizer(optimizers: list, automatic_optimization: bool) -> Birder | OneBitAdam:
     if len(optimizers) != 1:
         mode = "automatic" if automatic_optimization else "manual"
-        raise ValueError(
-            explain(
-                "BirderDDPStrategy needs exactly one Birder or OneBitAdam (DDP takes one hook), but "
-                f"configure_optimizers returned {len(optimizers)} ({mode} optimization)",
-                "put all parameters into one Birder (param groups may differ)",
-            )
+        what = (
+            "BirderDDPStrategy needs exactly one Birder or OneBitAdam (DDP takes one hook), but "
+            f"configure_optimizers returned {len(optimizers)} ({mode} optimization)"
         )
+        raise ValueError(explain(what, "put all parameters into one Birder (param groups may differ)"))
     opt = optimizers[0]
     if not isinstance(opt, _ONE_BIT):
         raise TypeError(
