@@ -514,7 +514,8 @@ def birder(
 
 
 def _fade_(m: torch.Tensor, zero: torch.Tensor, beta: float) -> None:
-    """m <- beta m where ``zero`` (g == 0; after the EMA: a stale coordinate's m decays by beta twice, its u by beta)."""
+    """m <- beta m where ``zero`` (g == 0; after the EMA: a stale coordinate's m decays by beta twice, its u by
+    beta)."""
     m.copy_(torch.where(zero, m * beta, m))
 
 
