@@ -77,9 +77,6 @@ def agree(topo: Topology, signature: tuple, device: torch.device) -> None:
             if i == 3:
                 shown = [v if v else "None" for v in shown]
             differ.append(f"{field}: " + ", ".join(f"rank {r} {v}" for r, v in enumerate(shown)))
-    raise ValueError(
-        explain(
-            f"onebit_all_reduce: the ranks called it with different arguments ({'; '.join(differ)}); nothing was sent",
-            "pass u of the same number of elements and dtype, the same method and settings, and the same layout",
-        )
-    )
+    what = f"onebit_all_reduce: the ranks called it with different arguments ({'; '.join(differ)}); nothing was sent"
+    fix = "pass u of the same number of elements and dtype, the same method and settings, and the same layout"
+    raise ValueError(explain(what, fix))

@@ -67,12 +67,8 @@ def shard_offset(p: torch.Tensor) -> int:
     if not shards:
         return 0
     if len(shards) > 1 or shards[0][1].dim != 0:
-        raise ValueError(
-            explain(
-                f"Birder supports one Shard(0) placement (FSDP2's), got {p.placements} for shape {tuple(p.shape)}",
-                "drop shard_placement_fn from fully_shard",
-            )
-        )
+        what = f"Birder supports one Shard(0) placement (FSDP2's), got {p.placements} for shape {tuple(p.shape)}"
+        raise ValueError(explain(what, "drop shard_placement_fn from fully_shard"))
     mesh_dim = shards[0][0]
     n, i = p.device_mesh.size(mesh_dim), p.device_mesh.get_local_rank(mesh_dim)
     rows = p.shape[0]
@@ -112,7 +108,8 @@ class GroupGrads(NamedTuple):
 
 
 class Update(NamedTuple):
-    """What ``step()`` applies to one param group: one synchronized direction per parameter."""
+    """What ``step()`` applies to one param group: one synchronized direction per parameter (1-bit Adam's hook: its
+    record of the parameter's exchange). Every communicator's ``finish_step`` returns a list of them, or ``None``."""
 
     group: dict
     params: list[torch.Tensor]
@@ -130,7 +127,7 @@ def unwrap_optimizer(optimizer):
 class Communicator:
     """Base of the objects that turn every rank's encoded values into the synchronized direction.
 
-    Subclasses: :class:`birder_hf.BirderHookState` and :class:`birder_hf.OneBitAdamHookState` (DDP hooks) and
+    Subclasses: :class:`birder_hf.communicators.HookState` (the DDP and FSDP hooks' states) and
     :class:`birder_hf.communicators.StepAllReduce` (the optimizer-side 1-bit all-reduce).
     """
 
@@ -365,12 +362,9 @@ class OneBitOptimizer(Optimizer):
         for p in params:
             g = p.grad
             if g is not None and tuple(local_tensor(g).shape) != tuple(local_tensor(p).shape):
-                raise RuntimeError(
-                    explain(
-                        f"A parameter of shape {tuple(p.shape)} has a gradient of shape {tuple(g.shape)}",
-                        "resize the model before creating the optimizer; nothing was stepped",
-                    )
-                )
+                what = f"A parameter of shape {tuple(p.shape)} has a gradient of shape {tuple(g.shape)}"
+                fix = "resize the model before creating the optimizer; nothing was stepped"
+                raise RuntimeError(explain(what, fix))
         for p in params:
             st = self.state.get(p)
             if not st:
@@ -455,9 +449,7 @@ class OneBitOptimizer(Optimizer):
             close = difflib.get_close_matches(key, list(self.settings), n=1, cutoff=0.8)
             if close or key in self._FOREIGN_SETTINGS:
                 hint = f"did you mean {close[0]!r}?" if close else f"{name}'s settings are {', '.join(self.settings)}"
-                raise ValueError(
-                    f"Unknown setting {key!r}{where}: {name} would keep it and ignore it ({hint})."
-                )
+                raise ValueError(f"Unknown setting {key!r}{where}: {name} would keep it and ignore it ({hint}).")
 
     def _check_params(self, params: list, where: str) -> None:
         """Real floating-point parameters, each once (torch only warns about a duplicate: it would step twice)."""
@@ -477,12 +469,8 @@ class OneBitOptimizer(Optimizer):
         seen: set[int] = set()
         for i, p in enumerate(params):
             if id(p) in seen:
-                raise ValueError(
-                    explain(
-                        f"Parameter {i}{where} (shape {tuple(p.shape)}) appears twice in the group",
-                        "Pass each parameter once (list(dict.fromkeys(params)))",
-                    )
-                )
+                what = f"Parameter {i}{where} (shape {tuple(p.shape)}) appears twice in the group"
+                raise ValueError(explain(what, "Pass each parameter once (list(dict.fromkeys(params)))"))
             seen.add(id(p))
 
     def _state_problem(self, p: torch.Tensor, state: dict, group: dict) -> str | None:
@@ -546,12 +534,9 @@ class OneBitOptimizer(Optimizer):
                     )
                 )
             if missing:
-                raise ValueError(
-                    explain(
-                        f"Param group {i} of the state dict being loaded lacks {name}'s settings {missing}",
-                        f"load the state dict {name} saved (per rank: birder_hf.checkpoint.load_rank_state)",
-                    )
-                )
+                what = f"Param group {i} of the state dict being loaded lacks {name}'s settings {missing}"
+                fix = f"load the state dict {name} saved (per rank: birder_hf.checkpoint.load_rank_state)"
+                raise ValueError(explain(what, fix))
             self._check_settings(saved, where)
         saved_ids = [i for g in saved_groups for i in g["params"]]
         # torch.optim keeps entries of "state" that belong to no parameter as they are (hooks and libraries stash
@@ -644,7 +629,7 @@ class Setting(NamedTuple):
     problem: Callable[[Any], str | None]
 
 
-def _rule(ok: Callable[[Any], bool], expect: str) -> Setting:
+def rule(ok: Callable[[Any], bool], expect: str) -> Setting:
     return Setting(lambda value: None if ok(value) else "{name} must be " + expect)
 
 
@@ -659,16 +644,16 @@ def _lr_problem(value) -> str | None:
 
 
 LR = Setting(_lr_problem)
-NON_NEGATIVE = _rule(lambda v: is_real_number(v) and v >= 0, "a finite float >= 0")
-UNIT_INTERVAL = _rule(lambda v: is_real_number(v) and 0 <= v < 1, "a float in [0, 1)")
-FLAG = _rule(lambda v: isinstance(v, bool), "True or False")
-OPTIONAL_FLAG = _rule(lambda v: v is None or isinstance(v, bool), "None, True or False")
-INTEGER = _rule(is_integer, "an int")
+NON_NEGATIVE = rule(lambda v: is_real_number(v) and v >= 0, "a finite float >= 0")
+UNIT_INTERVAL = rule(lambda v: is_real_number(v) and 0 <= v < 1, "a float in [0, 1)")
+FLAG = rule(lambda v: isinstance(v, bool), "True or False")
+OPTIONAL_FLAG = rule(lambda v: v is None or isinstance(v, bool), "None, True or False")
+INTEGER = rule(is_integer, "an int")
 
 
 def choice(options: tuple) -> Setting:
     """One of ``options``."""
-    return _rule(lambda v: isinstance(v, str) and v in options, f"one of {', '.join(map(repr, options))}")
+    return rule(lambda v: isinstance(v, str) and v in options, f"one of {', '.join(map(repr, options))}")
 
 
 def tensor_problem(state: dict, key: str, shape) -> str | None:

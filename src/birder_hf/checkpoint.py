@@ -82,12 +82,9 @@ def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise ValueError(f"Invalid {name}={value!r}: {name} must be an int.")
     if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(
-            explain(
-                f"Invalid rank={rank!r} with world_size={world_size!r}: a rank lies in [0, world_size)",
-                "pass accelerator.process_index and num_processes, or leave both None (torch.distributed's)",
-            )
-        )
+        what = f"Invalid rank={rank!r} with world_size={world_size!r}: a rank lies in [0, world_size)"
+        fix = "pass accelerator.process_index and num_processes, or leave both None (torch.distributed's)"
+        raise ValueError(explain(what, fix))
     return int(rank), int(world_size)
 
 
@@ -194,12 +191,9 @@ def read_rank_state(
     rank, world_size = _rank_and_world(rank, world_size)
     saved_world = _saved_world_size(checkpoint_dir)
     if saved_world is None:
-        raise FileNotFoundError(
-            explain(
-                f"No Birder per-rank optimizer state under {os.path.join(checkpoint_dir, SUBDIR)} (it is rank-local)",
-                "resume from a checkpoint birder_hf saved (save_rank_state), or start a fresh run",
-            )
-        )
+        what = f"No Birder per-rank optimizer state under {os.path.join(checkpoint_dir, SUBDIR)} (it is rank-local)"
+        fix = "resume from a checkpoint birder_hf saved (save_rank_state), or start a fresh run"
+        raise FileNotFoundError(explain(what, fix))
     source = rank if saved_world == world_size else rank % saved_world
     if saved_world != world_size:
         warnings.warn(

@@ -3,9 +3,10 @@
 Paper: `Birder: Communication-Efficient 1-bit Adaptive Optimizer for Practical Distributed DNN
 Training` (Peng et al., NeurIPS 2023) - https://openreview.net/forum?id=Mlo2kM11ZB
 
-- :class:`HookState`: the base of the DDP communication hooks' states (:class:`birder_hf.BirderHookState`,
-  :class:`birder_hf.OneBitAdamHookState`): the guards every hook needs (one hook per optimizer, parameters the
-  optimizer owns, each parameter once per step), the non-finite agreement, the per-step statistics.
+- :class:`HookState`: the base of every hook state (DDP's :class:`birder_hf.BirderHookState` and
+  :class:`birder_hf.OneBitAdamHookState`, FSDP's ``FSDPHookState``): the guards every hook needs (one hook per
+  optimizer, parameters the optimizer owns, each parameter once per step), the staged records, the non-finite
+  agreement, the per-step statistics; :class:`DDPBuckets`, the DDP hooks' component: the buckets DDP hands over.
 - :class:`StepAllReduce`: Birder's optimizer-side 1-bit all-reduce, run inside ``optimizer.step()`` (training
   loops without DDP; sharded parameters).
 
@@ -29,6 +30,7 @@ from .wire import CommStats, Job, Wire, launch_in_order
 
 __all__ = [
     "HookState",
+    "DDPBuckets",
     "StepAllReduce",
     "UsageMarks",
     "agree",
@@ -192,36 +194,27 @@ def check_grad_scaler(grad_scaler) -> None:
 
 
 class Staged(NamedTuple):
-    """What a hook staged for one parameter until ``optimizer.step()``: its group and the optimizer's record."""
+    """What a hook staged for one parameter until ``optimizer.step()``: its group, the optimizer's record and, where
+    the hook keeps it (FSDP's), the direction ``step()`` applies (``None``: ``.grad``, where DDP writes ``d``)."""
 
     group: dict
     record: Any
-
-
-class BucketGrad(NamedTuple):
-    """One parameter of a DDP bucket, as the hooks see it (:meth:`HookState.begin_bucket`)."""
-
-    param: torch.Tensor
-    grad: torch.Tensor  # the bucket's view of its gradient, in the order DDP filled it
-    group: dict  # its param group
-    offset: int  # its first element in the bucket
-    in_place: torch.Tensor  # the view DDP reads it back through when the hook returns the bucket itself
+    direction: torch.Tensor | None = None
 
 
 class HookState(Communicator):
-    """Base of the DDP communication hooks' states (see the module docstring).
+    """Base of every hook state: Birder's DDP hook (:class:`birder_hf.BirderHookState`), 1-bit Adam's
+    (:class:`birder_hf.OneBitAdamHookState`) and Birder's FSDP hook (:class:`birder_hf.fsdp.FSDPHookState`).
 
-    Subclasses set ``optimizer_class`` and ``hook_name``, call :meth:`begin_bucket` first and :meth:`end_bucket`
-    last in the hook, and turn :meth:`take_staged` into what their optimizer's ``step()`` applies (``finish_step``).
+    It owns what every hook does per step: the set-up agreement, the staged records (:meth:`claim`, :meth:`stage`;
+    ``step()`` commits them), the ranks' agreement, the loss scale and the statistics. Its subclasses own where the
+    gradients come from (a :class:`DDPBuckets`; FSDP's units) and turn :meth:`take_staged` into ``finish_step``.
 
-    Non-finite gradients: every bucket's gradient is checked; with the last bucket of a backward the ranks agree (one
-    tiny all-reduce) whether any rank had a non-finite value, and if one had, the last bucket's direction is NaN on
-    every rank. ``.grad`` then says what DDP's fp32 all-reduce would say (a NaN on one rank is a NaN on all), which is
-    what ``torch.amp.GradScaler`` looks for; ``step()`` skips everywhere, and ``m``, ``b`` and the parameters stay as
-    they were (the hook staged the new state; only ``step()`` commits it). With ``skip_unused``, the same all-reduce
-    also says which parameters no rank computed a gradient for (4 more bytes per parameter): they are not stepped,
-    as with a gradient of None. Hooks that are not DDP's (FSDP's) agree in ``take_staged`` instead, over
-    ``agree_group``.
+    Non-finite gradients: the ranks agree (one tiny all-reduce: DDP's after the last bucket, :meth:`queue_agreement`,
+    which makes its direction NaN on every rank as DDP's fp32 all-reduce would; FSDP's when ``step()`` or the scaler
+    asks) whether any rank had one; then ``step()`` skips everywhere, and ``m``, ``b`` and the parameters stay as they
+    were (only ``step()`` commits what the hook staged). With ``skip_unused`` the same all-reduce says which
+    parameters no rank used (:attr:`marks`, 4 more bytes per parameter): they are not stepped.
 
     fp16 loss scaling (``GradScaler`` must not un-scale the direction in ``.grad``): ``docs/ARCHITECTURE.md``, "The
     contract", item 5; the next backward drops the state a skipped step staged.
@@ -246,18 +239,18 @@ class HookState(Communicator):
         "topology",
         "_agree_group",  # None: the topology's world group (read through agree_group, so close() can release it)
         "check_finite",
+        "comm_settings",  # the CommSettings of its 1-bit all-reduce (None: a hook without them, 1-bit Adam's)
         # per-step buffers
         "_pending",
         "_flags",
         "step_stats",
         "_verdict",
-        "_marks",  # the parameters that got a gradient on this rank since the last step (UsageMarks)
+        "marks",  # the parameters that got a gradient on this rank since the last step (UsageMarks)
+        "in_flight",  # exchanges the step waits for before its agreement and its end (the FSDP hook's)
         "_skipping",  # this step's agreed verdict was non-finite, and the step is dropped (a GradScaler skips it)
         # fp16 loss scaling
         "grad_scaler",
         "_scale",  # the loss scale of this step's backward, read at its first bucket
-        # where each strided parameter's gradient lies in its bucket
-        "_layouts",
         # statistics
         "stats",
         "last_step_stats",
@@ -270,11 +263,14 @@ class HookState(Communicator):
         optimizer,
         topology: Topology | None = None,
         *,
+        comm_settings: tuple | CommSettings | None = None,
         check_finite: bool = True,
         agree_group=None,
         grad_scaler=None,
     ):
-        self.check_finite = check_finite  # checked in _check_setup: bool('no') is True, bool(None) False
+        # both checked in _check_setup (bool('no') is True, bool(None) False); comm_settings: the hook's 1-bit
+        # all-reduce settings, (method, inter_method, chunk_numel) or a CommSettings (None: 1-bit Adam's hook)
+        self.check_finite, self.comm_settings = check_finite, comm_settings
         # this rank's checks, then one exchange with the others before any other collective (agree_setup): a bad
         # argument on one rank stops every rank, and ranks set up differently fail instead of drifting apart
         error = settings = None
@@ -286,7 +282,8 @@ class HookState(Communicator):
             if not dist.is_available() or not dist.is_initialized():
                 raise RuntimeError(f"{self.hook_name} needs torch.distributed to be initialized (init_process_group).")
             nodes = (1, dist.get_world_size()) if topology is None else (topology.num_nodes, topology.local_world_size)
-            settings = self._settings(optimizer, nodes)
+            own = {} if self.comm_settings is None else self.comm_settings.as_dict()
+            settings = communicator_settings(type(self).__name__, optimizer, nodes, check_finite=check_finite, **own)
             settings["loss scaling"] = grad_scaler is not None and grad_scaler.is_enabled()
         except Exception as exc:
             error = exc
@@ -304,30 +301,23 @@ class HookState(Communicator):
         self._agree_group = agree_group
         self._pending: dict[torch.Tensor, Staged] = {}
         self._flags: list[torch.Tensor] = []
-        # this backward's agreement, summed over the ranks after its last bucket: [non-finite, then with skip_unused:
-        # used, per parameter in the optimizer's order]
+        self.in_flight: list[torch.futures.Future] = []
+        # this backward's agreement, summed over the ranks: [non-finite, then with skip_unused: used, per parameter
+        # in the optimizer's order]
         self._verdict: torch.Tensor | None = None
-        self._layouts: dict[torch.Tensor, tuple] = {}  # param -> (where, filled strided, read back through .grad)
         self.stats, self.last_step_stats, self.step_stats = CommStats(), CommStats(), CommStats()
         self.steps_communicated = self.skipped_steps = 0
-        self._marks = UsageMarks()
+        self.marks = UsageMarks()
         self.attach(optimizer)
-        if self.skip_unused and self.check_finite:
-            self._watch([p for g in optimizer.param_groups for p in g["params"]])
-
-    def _watch(self, params) -> None:
-        # one Python call per parameter per backward: how a rank knows which parameters it used this step (DDP
-        # hands the hook zeros for an unused one, and with zero_grad(set_to_none=False) its .grad is a zero tensor)
-        for p in params:
-            if p not in self._marks.watched:
-                self._marks.watch(p)
 
     def detach(self) -> None:
-        self._marks.remove()
+        self.marks.remove()
         super().detach()
 
     def _check_setup(self, optimizer, topology) -> None:
         """This rank's own checks of the set-up (before the ranks agree on it); subclasses add theirs."""
+        if self.comm_settings is not None:
+            self.comm_settings = check_settings(*self.comm_settings)
         name = type(self).__name__
         if not isinstance(self.check_finite, bool):  # never guess
             raise ValueError(f"Invalid check_finite={self.check_finite!r}: it must be True or False ({name}).")
@@ -336,33 +326,19 @@ class HookState(Communicator):
                 f"{name} needs a birder_hf.{self.optimizer_class.__name__} optimizer, got {type(optimizer).__name__}."
             )
         if optimizer.communicator is not None:
-            raise ValueError(
-                explain(
-                    f"This {type(optimizer).__name__} optimizer already has a hook state or a communicator",
-                    f"register {self.hook_name} once per model and optimizer",
-                )
-            )
+            what = f"This {type(optimizer).__name__} optimizer already has a hook state or a communicator"
+            raise ValueError(explain(what, f"register {self.hook_name} once per model and optimizer"))
         if topology is not None and not isinstance(topology, Topology):
             raise TypeError(f"topology must be a birder_hf.Topology, got {type(topology).__name__}.")
         if topology is not None:
             topology.check_open()
-
-    def _settings(self, optimizer, layout: tuple[int, int]) -> dict:
-        """What every rank's hook state must share (:func:`communicator_settings`): its own settings, the layout, the
-        optimizer's parameters and settings."""
-        return communicator_settings(type(self).__name__, optimizer, layout, check_finite=self.check_finite)
+        if self.comm_settings is not None and not all(g.get("quantize", True) for g in optimizer.param_groups):
+            raise ValueError("quantize=False is for one process only; the 1-bit hook always sends 1 bit.")
 
     @property
     def agree_group(self):
         """The ranks that agree a step is finite: the topology's (DDP), or every rank of the mesh (FSDP)."""
         return self.topology.world_group if self._agree_group is None else self._agree_group
-
-    def abort_bucket(self, params: list[torch.Tensor]) -> None:
-        """Forget what the current bucket staged (its hook failed): the next backward starts clean."""
-        for p in params:
-            self._pending.pop(p, None)
-        if self.check_finite and self._flags:
-            self._flags.pop()  # the bucket's flag: the last one begin_bucket appended
 
     def metrics(self) -> dict[str, float]:
         """What an integration logs after a step: the bytes sent and the skipped steps, under the optimizer's
@@ -376,12 +352,8 @@ class HookState(Communicator):
         return self.hook_name
 
     def __getstate__(self):
-        raise TypeError(
-            explain(
-                f"{type(self).__name__} holds process groups and is not saved",
-                "save the optimizer (birder_hf.checkpoint.save_rank_state) and build a new hook state after loading",
-            )
-        )
+        fix = "save the optimizer (birder_hf.checkpoint.save_rank_state) and build a new hook state after loading"
+        raise TypeError(explain(f"{type(self).__name__} holds process groups and is not saved", fix))
 
     def close(self) -> None:
         """Release what the hook holds, now: wait for its last exchange, drop a step that was not applied, detach from
@@ -397,40 +369,7 @@ class HookState(Communicator):
         self.detach()
         self.topology.close()
 
-    # ------------------------------------------------------------------------------------------ buckets
-    def begin_bucket(self, bucket) -> list[BucketGrad]:
-        """The bucket's parameters with their gradients and groups, checked (:class:`BucketGrad`); counts the bucket's
-        finite flag. Drops the state staged by a backward whose step a ``GradScaler`` skipped."""
-        self.begin_backward()
-        opt, buffer = self.optimizer, bucket.buffer()
-        items, offset = [], 0
-        for p in bucket.parameters():
-            group = opt.group_of(p)
-            if group is None:
-                raise RuntimeError(
-                    explain(
-                        f"A DDP parameter of shape {tuple(p.shape)} is not in the {type(opt).__name__} optimizer",
-                        "build the optimizer from every parameter that gets gradients",
-                    )
-                )
-            if p in self._pending:
-                raise RuntimeError(
-                    explain(
-                        f"{self.hook_name} saw the same parameter twice before optimizer.step()",
-                        "accumulate in model.no_sync() (or accelerator.accumulate) on all but the last micro-batch",
-                    )
-                )
-            items.append(self._bucket_grad(bucket.index(), buffer, p, group, offset))
-            offset += p.numel()
-        if self.check_finite:
-            self.flag_nonfinite(buffer)
-            if self.skip_unused:  # a parameter added since: watched from now on, counted as used this step
-                new = [b.param for b in items if b.param not in self._marks.watched]
-                self._watch(new)
-                self._marks.used.update(new)
-        self._verdict = None
-        return items
-
+    # ------------------------------------------------------------------------------------------ staging
     def begin_backward(self) -> None:
         """Called as each bucket (unit) of a backward begins: drops the state staged by a backward whose step was
         skipped without ``step()`` (a ``GradScaler`` skipped the call)."""
@@ -438,6 +377,31 @@ class HookState(Communicator):
         self._skipping = False
         if self._pending and self._bad_verdict():
             self._skip()  # nobody asked: step() was not called after the last backward's non-finite verdict
+
+    def claim(self, p: torch.Tensor, what: str, fix_owner: str, fix_twice: str) -> dict:
+        """``p``'s param group, before the hook encodes ``p`` (``what``: ``"A DDP parameter"``, ...): raises with
+        ``fix_owner`` if the optimizer does not own ``p``, with ``fix_twice`` if ``p`` was staged this step already."""
+        group = self.optimizer.group_of(p)
+        if group is None:
+            owner = type(self.optimizer).__name__
+            raise RuntimeError(explain(f"{what} of shape {tuple(p.shape)} is not in the {owner} optimizer", fix_owner))
+        if p in self._pending:
+            raise RuntimeError(
+                explain(f"{self.hook_name} saw the same parameter twice before optimizer.step()", fix_twice)
+            )
+        return group
+
+    def stage(self, p: torch.Tensor, group: dict, record, direction: torch.Tensor | None = None) -> None:
+        """Keep ``p``'s record (and direction) until ``step()`` (see :class:`Staged`)."""
+        self._pending[p] = Staged(group, record, direction)
+
+    def unstage(self, params: list[torch.Tensor]) -> None:
+        """Forget what ``params`` staged, and the last finite flag (their bucket's hook failed): the next backward
+        starts clean."""
+        for p in params:
+            self._pending.pop(p, None)
+        if self.check_finite and self._flags:
+            self._flags.pop()
 
     def loss_scale(self) -> float:
         """The loss scale of this step's backward (``grad_scaler``'s, read once per backward; 1 without one): the hook
@@ -447,9 +411,12 @@ class HookState(Communicator):
             self._scale = grad_scaler_scale(self.grad_scaler)
         return self._scale
 
+    # ---------------------------------------------------------------------------------------- agreement
     def flag_nonfinite(self, t: torch.Tensor) -> None:
-        """Record (on ``t``'s device, no host sync) whether ``t`` holds a non-finite value; agreed later."""
+        """Record (on ``t``'s device, no host sync) whether ``t`` holds a non-finite value; agreed later (an agreement
+        made before is stale from now on)."""
         self._flags.append(_nonfinite_flag(t))
+        self._verdict = None
 
     def _local_verdict(self, order: list[torch.Tensor]) -> torch.Tensor:
         # [this rank saw a non-finite value, then: this rank used it, per parameter of ``order``]
@@ -457,7 +424,7 @@ class HookState(Communicator):
             bad = torch.stack(self._flags).any().to(torch.float32).reshape(1)
         else:
             bad = torch.zeros(1, device=next(iter(self._pending)).device)
-        used = [self._marks.is_used(p) for p in order]
+        used = [self.marks.is_used(p) for p in order]
         return torch.cat([bad, torch.tensor(used, dtype=torch.float32).to(bad.device)])
 
     def _unused_order(self) -> list[torch.Tensor]:
@@ -468,68 +435,29 @@ class HookState(Communicator):
     def _bad_verdict(self) -> bool:
         return self._verdict is not None and self._verdict[0].item() != 0
 
-    def end_bucket(self, bucket, fut: torch.futures.Future) -> torch.futures.Future:
-        """The Future to hand to DDP for ``bucket``: ``fut``, and after the last bucket the ranks' agreement on
-        non-finite gradients (a NaN direction on every rank if any rank had one; see the class docstring)."""
-        if not (self.check_finite and bucket.is_last()):
-            return fut
+    def queue_agreement(self, fut: torch.futures.Future) -> torch.futures.Future:
+        """DDP's last bucket: ``fut``, its direction NaN on every rank if any rank had a non-finite value; the ranks'
+        agreement is queued after ``fut``'s exchange (and every other call on the topology)."""
         flags = self._local_verdict(self._unused_order())
         self._verdict = flags  # summed over the ranks in place
 
         def start(wire):
             return wire.all_reduce_sum(flags, "world", flags.element_size())
 
-        # queued after the last bucket's exchange (and every other call on the topology)
         agreed = launch_in_order(self.topology, Job(Wire(self.topology, None), start, lambda wire, recv: recv))
         both = torch.futures.collect_all([fut, agreed])
         return then(both, lambda f: _nan_if(*(x.value() for x in f.value())))
 
-    def _bucket_grad(self, bucket_index: int, buffer: torch.Tensor, p: torch.Tensor, group: dict, offset: int):
-        """Where ``p``'s gradient lies in the bucket, and where DDP reads a result the hook writes into the bucket.
-
-        DDP fills a dense parameter's segment in the memory order the parameter had when DDP built its buckets (NHWC
-        for a channels_last conv weight; ``Reducer::initialize_bucket_views``), every other one C-contiguously, while
-        ``GradBucket.gradients()`` views every segment C-contiguously. It reads a result back through views with the
-        parameter's current strides (``populate_bucket_views_out``; a new result tensor always, the bucket itself
-        unless ``gradient_as_bucket_view=True``, where ``.grad`` is the fill view). The two orders differ only for a
-        model converted to channels_last after DDP wrapped it, until DDP rebuilds its buckets (never, with
-        ``find_unused_parameters=True``); DDP's own all-reduce then scrambles such gradients. So for a parameter whose
-        memory order is not C-contiguous, the fill order is read off ``p.grad`` the first time the parameter is seen
-        at this place: it is DDP's fill view under ``gradient_as_bucket_view=True``, and otherwise equal, element for
-        element, to one of the two readings of the bucket (a gradient that reads the same both ways decides nothing
-        and is asked again next step).
-        """
-        plain = buffer[offset : offset + p.numel()].view(p.shape)
-        if p.is_contiguous() or not _is_dense(p):
-            return BucketGrad(p, plain, group, offset, plain)
-        strided = buffer.as_strided(p.shape, p.stride(), buffer.storage_offset() + offset)
-        where = (bucket_index, offset, p.stride())
-        known = self._layouts.get(p)
-        if known is None or known[0] != where:
-            g, decided, fill_strided, through_grad = p.grad, False, True, False
-            if g is not None and g.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
-                decided, fill_strided, through_grad = True, g.stride() == p.stride(), True
-            elif g is not None:
-                same_strided, same_plain = torch.equal(strided, g), torch.equal(plain, g)
-                decided, fill_strided = same_strided != same_plain, same_strided or not same_plain
-            known = (where, fill_strided, through_grad)
-            if decided:
-                self._layouts[p] = known
-        _, fill_strided, through_grad = known
-        fill = strided if fill_strided else plain
-        return BucketGrad(p, fill, group, offset, fill if through_grad else strided)
-
-    def stage(self, p: torch.Tensor, group: dict, record) -> None:
-        self._pending[p] = Staged(group, record)
-
-    # --------------------------------------------------------------------------------------------- steps
     def _agreed_verdict(self) -> torch.Tensor | None:
         """This step's agreement (``None``: nothing staged, or ``check_finite=False``), made now if the backward did
-        not make it (FSDP's hook agrees when asked; DDP's after its last bucket)."""
+        not make it (FSDP's hook agrees when asked, after its exchanges; DDP's after its last bucket)."""
+        for fut in self.in_flight:  # the exchanges first, then the agreement (the same order on every rank)
+            fut.wait()
         if self._verdict is None and self.check_finite and self._pending:
             self._verdict = agree(self._local_verdict(self._unused_order()), self.agree_group)
         return self._verdict
 
+    # -------------------------------------------------------------------------------------------- steps
     def amp_scaling(self) -> bool:
         """Whether ``step()`` takes ``.grad`` as it is from ``GradScaler``: yes, unless a rank's backward was
         non-finite. Then the step is dropped here on every rank (``optimizer.step_was_skipped``) and every rank's
@@ -554,17 +482,12 @@ class HookState(Communicator):
         if not self.loss_scale_invariant:
             raise RuntimeError(explain(f"{self.hook_name} cannot train with fp16 loss scaling", "use bf16 (or fp32)"))
         if not self.check_finite:
-            raise ValueError(
-                explain(
-                    f"{type(self).__name__}(check_finite=False) would apply a GradScaler's overflow steps",
-                    "keep check_finite=True",
-                )
-            )
+            what = f"{type(self).__name__}(check_finite=False) would apply a GradScaler's overflow steps"
+            raise ValueError(explain(what, "keep check_finite=True"))
         scale = getattr(opt, "grad_scale", None)
         if scale is not None and self._pending and float(scale) != self.loss_scale():
             used = self.loss_scale()
             self._close_step()  # drop the step: the next backward starts clean
-            self._verdict = None
             raise RuntimeError(
                 explain(
                     f"{self.hook_name} encoded this step's gradients at loss scale {used:g}, but the GradScaler "
@@ -573,18 +496,17 @@ class HookState(Communicator):
                 )
             )
         if scale is None:
-            raise RuntimeError(
-                explain(
-                    f"GradScaler.unscale_ (clip_grad_norm_ calls it) ran on {self.hook_name}'s direction in .grad",
-                    "Do not unscale or clip with the 1-bit hook (a step is bounded by lr already)",
-                )
-            )
+            what = f"GradScaler.unscale_ (clip_grad_norm_ calls it) ran on {self.hook_name}'s direction in .grad"
+            fix = "Do not unscale or clip with the 1-bit hook (a step is bounded by lr already)"
+            raise RuntimeError(explain(what, fix))
 
     def _close_step(self) -> dict[torch.Tensor, Staged]:
-        # the end of a step, applied or not: hand over what was staged, close the step's statistics
-        pending, self._pending, self._flags = self._pending, {}, []
-        self._scale = None
-        self._marks.clear()
+        # the end of a step, applied or not: hand over what was staged, forget its agreement, close its statistics
+        for fut in self.in_flight:  # every exchange ends before anything else: the next step reuses the buffers
+            fut.wait()
+        pending, self._pending, self._flags, self.in_flight = self._pending, {}, [], []
+        self._scale = self._verdict = None
+        self.marks.clear()
         step_stats, self.step_stats = self.step_stats, CommStats()
         self.stats += step_stats
         self.last_step_stats = step_stats
@@ -592,7 +514,6 @@ class HookState(Communicator):
 
     def _skip(self) -> None:
         self._close_step()
-        self._verdict = None
         self.skipped_steps += 1
         warnings.warn(
             f"{type(self.optimizer).__name__}: a rank had a non-finite gradient; every rank skipped the step.",
@@ -611,29 +532,128 @@ class HookState(Communicator):
             order = self._unused_order()
             # not through DDP's last bucket (FSDP, or step() mid-backward): agreed now
             agreed = self._agreed_verdict().tolist()
-            self._verdict = None
             if agreed[0] != 0:
                 self._skip()
                 return None
             unused = [p for p, used in zip(order, agreed[1:]) if used == 0]
-        self._verdict = None
         pending = self._close_step()
         unseen = [
             p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None and p not in pending
         ]
         if unseen:
             p = unseen[0]
-            raise RuntimeError(
-                explain(
-                    f"A parameter of shape {tuple(p.shape)} has a gradient but {self.hook_name} did not see it",
-                    f"optimize only parameters of {self.wrapped_name} the hook is registered on",
-                )
-            )
+            what = f"A parameter of shape {tuple(p.shape)} has a gradient but {self.hook_name} did not see it"
+            fix = f"optimize only parameters of {self.wrapped_name} the hook is registered on"
+            raise RuntimeError(explain(what, fix))
         for p in unused:  # no rank computed a gradient for it: no step, as for a gradient of None
             del pending[p]
         if pending:
             self.steps_communicated += 1
         return pending
+
+
+class BucketGrad(NamedTuple):
+    """One parameter of a DDP bucket, as the hooks see it (:meth:`DDPBuckets.begin`)."""
+
+    param: torch.Tensor
+    grad: torch.Tensor  # the bucket's view of its gradient, in the order DDP filled it
+    group: dict  # its param group
+    offset: int  # its first element in the bucket
+    in_place: torch.Tensor  # the view DDP reads it back through when the hook returns the bucket itself
+
+
+class DDPBuckets:
+    """DDP's side of a hook state (one each for :class:`birder_hf.BirderHookState` and
+    :class:`birder_hf.OneBitAdamHookState`): where each gradient lies in the bucket DDP hands over, the guards, and
+    the agreement queued after the last bucket. A hook's body is :meth:`run`.
+
+    With ``skip_unused``, every parameter is watched (:class:`UsageMarks`: one Python call per parameter per
+    backward): how a rank knows which parameters it used this step, since DDP hands the hook zeros for an unused one
+    and ``zero_grad(set_to_none=False)`` leaves a zero tensor in ``.grad``.
+    """
+
+    __slots__ = ("state", "_layouts")
+
+    def __init__(self, state: HookState):
+        self.state = state
+        self._layouts: dict[torch.Tensor, tuple] = {}  # param -> (where, filled strided, read back through .grad)
+        if state.skip_unused and state.check_finite:
+            self._watch([p for g in state.optimizer.param_groups for p in g["params"]])
+
+    def _watch(self, params) -> list[torch.Tensor]:
+        new = [p for p in params if p not in self.state.marks.watched]
+        for p in new:
+            self.state.marks.watch(p)
+        return new
+
+    def run(self, bucket, start) -> torch.futures.Future:
+        """What the hook hands DDP for ``bucket``: ``start(items)``, the hook's exchange of the bucket's checked
+        :class:`BucketGrad` items (it stages what it encodes with the state's ``stage``), and after the last bucket the
+        ranks' agreement (:meth:`HookState.queue_agreement`). On a failure nothing of the bucket stays staged."""
+        items = self.begin(bucket)
+        try:
+            fut = start(items)
+            return self.state.queue_agreement(fut) if self.state.check_finite and bucket.is_last() else fut
+        except BaseException:
+            self.state.unstage([b.param for b in items])
+            raise
+
+    def begin(self, bucket) -> list[BucketGrad]:
+        """The bucket's parameters with their gradients and groups, checked (:class:`BucketGrad`); counts the bucket's
+        finite flag. Drops the state staged by a backward whose step a ``GradScaler`` skipped."""
+        state = self.state
+        state.begin_backward()
+        buffer = bucket.buffer()
+        items, offset = [], 0
+        for p in bucket.parameters():
+            group = state.claim(
+                p,
+                "A DDP parameter",
+                "build the optimizer from every parameter that gets gradients",
+                "accumulate in model.no_sync() (or accelerator.accumulate) on all but the last micro-batch",
+            )
+            items.append(self._grad(bucket.index(), buffer, p, group, offset))
+            offset += p.numel()
+        if state.check_finite:
+            state.flag_nonfinite(buffer)
+            if state.skip_unused:  # a parameter added since: watched from now on, counted as used this step
+                state.marks.used.update(self._watch([b.param for b in items]))
+        return items
+
+    def _grad(self, bucket_index: int, buffer: torch.Tensor, p: torch.Tensor, group: dict, offset: int) -> BucketGrad:
+        """Where ``p``'s gradient lies in the bucket, and where DDP reads a result the hook writes into the bucket.
+
+        DDP fills a dense parameter's segment in the memory order the parameter had when DDP built its buckets (NHWC
+        for a channels_last conv weight; ``Reducer::initialize_bucket_views``), every other one C-contiguously, while
+        ``GradBucket.gradients()`` views every segment C-contiguously. It reads a result back through views with the
+        parameter's current strides (``populate_bucket_views_out``; a new result tensor always, the bucket itself
+        unless ``gradient_as_bucket_view=True``, where ``.grad`` is the fill view). The two orders differ only for a
+        model converted to channels_last after DDP wrapped it, until DDP rebuilds its buckets (never, with
+        ``find_unused_parameters=True``); DDP's own all-reduce then scrambles such gradients. So for a parameter whose
+        memory order is not C-contiguous, the fill order is read off ``p.grad`` the first time the parameter is seen
+        at this place: it is DDP's fill view under ``gradient_as_bucket_view=True``, and otherwise equal, element for
+        element, to one of the two readings of the bucket (a gradient that reads the same both ways decides nothing
+        and is asked again next step).
+        """
+        plain = buffer[offset : offset + p.numel()].view(p.shape)
+        if p.is_contiguous() or not is_dense(p):
+            return BucketGrad(p, plain, group, offset, plain)
+        strided = buffer.as_strided(p.shape, p.stride(), buffer.storage_offset() + offset)
+        where = (bucket_index, offset, p.stride())
+        known = self._layouts.get(p)
+        if known is None or known[0] != where:
+            g, decided, fill_strided, through_grad = p.grad, False, True, False
+            if g is not None and g.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
+                decided, fill_strided, through_grad = True, g.stride() == p.stride(), True
+            elif g is not None:
+                same_strided, same_plain = torch.equal(strided, g), torch.equal(plain, g)
+                decided, fill_strided = same_strided != same_plain, same_strided or not same_plain
+            known = (where, fill_strided, through_grad)
+            if decided:
+                self._layouts[p] = known
+        _, fill_strided, through_grad = known
+        fill = strided if fill_strided else plain
+        return BucketGrad(p, fill, group, offset, fill if through_grad else strided)
 
 
 def _nan_if(d: torch.Tensor, verdict: torch.Tensor) -> torch.Tensor:
@@ -646,7 +666,7 @@ def _grad_versions(params) -> tuple:
     return tuple((id(p.grad), local_tensor(p.grad)._version) for p in params if p.grad is not None)
 
 
-def _is_dense(t: torch.Tensor) -> bool:
+def is_dense(t: torch.Tensor) -> bool:
     # its elements fill numel() consecutive slots in some order of the dimensions (no gaps, no overlap)
     expected = 1
     for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
@@ -757,12 +777,8 @@ class StepAllReduce(Communicator):
                     layout = (topology.num_nodes, topology.local_world_size)
                 else:
                     if process_group is getattr(dist.GroupMember, "NON_GROUP_MEMBER", object()):
-                        raise ValueError(
-                            explain(
-                                "This process is not a member of process_group",
-                                "pass process_group= only on the group's ranks",
-                            )
-                        )
+                        fix = "pass process_group= only on the group's ranks"
+                        raise ValueError(explain("This process is not a member of process_group", fix))
                     if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
                         raise TypeError(
                             "process_group must be a torch.distributed ProcessGroup (e.g. dist.group.WORLD), got "

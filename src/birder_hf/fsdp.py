@@ -41,6 +41,7 @@ Usage::
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import NamedTuple
 
@@ -48,8 +49,8 @@ import torch
 import torch.distributed as dist
 
 from .base import Update, explain, is_sharded, local_tensor, shard_offset, unwrap_optimizer
-from .communicators import StepAllReduce, UsageMarks
-from .hook import BirderHookState
+from .communicators import HookState, StepAllReduce, UsageMarks
+from .hook import BirderStaging
 from .optim import Birder
 from .settings import DEFAULT_INTER_METHOD, DEFAULT_METHOD, CommSettings, check_settings
 from .topology import Topology
@@ -141,11 +142,13 @@ def fsdp_units(model: torch.nn.Module) -> list[FSDPUnit]:
     return units
 
 
-class FSDPHookState(BirderHookState):
+class FSDPHookState(HookState):
     """State of Birder's FSDP2 all-reduce hook: the 1-bit exchange of each FSDP unit's shard across the nodes.
 
     Built by :func:`register_birder_fsdp`. The statistics (``stats``, ``last_step_stats``, ``steps_communicated``,
-    ``skipped_steps``) are those of every hook state; all bytes count as inter-node.
+    ``skipped_steps``) are those of every hook state; all bytes count as inter-node. Birder's side (the staged ``m``,
+    ``b``, the encode-and-stage loop, the exchange, the commit) is ``staging``, a
+    :class:`birder_hf.hook.BirderStaging` as the DDP hook's.
 
     Args:
         optimizer (`Birder`): the optimizer of the sharded parameters.
@@ -154,48 +157,34 @@ class FSDPHookState(BirderHookState):
         agree_group (`ProcessGroup`): every rank of the mesh (skipped steps are agreed by all shards).
     """
 
+    optimizer_class = Birder
     hook_name = "birder_fsdp_hook"
     wrapped_name = "the FSDP model"
     # FSDP hands the hook zeros for a parameter no rank of the node used (set_reduce_scatter_unused_params): the
-    # ranks agree which parameters any rank used (marked on FSDP's unsharded parameters, _watch_units) and step those
+    # ranks agree which parameters any rank used (marked on FSDP's unsharded parameters, watch_units) and step those
     skip_unused = True
 
-    __slots__ = ("_u", "_futures", "_directions")
+    __slots__ = ("staging", "_u")
 
     def __init__(self, optimizer: Birder, topology: Topology, method: str | CommSettings = DEFAULT_METHOD, **kwargs):
+        self.staging = BirderStaging(self)
         self._u: dict[int, torch.Tensor] = {}  # unit index -> its u / d buffer, reused every step
-        self._futures: list = []
-        self._directions: dict[torch.Tensor, torch.Tensor] = {}  # param -> d of its shard (a view of a buffer)
-        super().__init__(optimizer, topology, method, **kwargs)
+        comm = (method, kwargs.pop("inter_method", DEFAULT_INTER_METHOD), kwargs.pop("chunk_numel", None))
+        super().__init__(optimizer, topology, comm_settings=comm, **kwargs)
 
     @property
     def description(self) -> str:
         k = self.topology.num_nodes
         return f"1-bit {self.comm_settings.method} FSDP hook across {k} node{'s' if k != 1 else ''}"
 
-    def _watch(self, params) -> None:
-        # autograd accumulates into FSDP's unsharded parameters, not these: watch_units marks them instead
-        pass
-
     def watch_units(self, units: list[FSDPUnit]) -> None:
         """Mark a parameter used when autograd accumulates a gradient into its unsharded parameter (see
         :class:`birder_hf.communicators.UsageMarks`)."""
-        _watch_units(units, self._marks)
-
-    def _agreed_verdict(self):
-        for fut in self._futures:  # the exchanges first, then the agreement (the same order on every rank)
-            fut.wait()
-        return super()._agreed_verdict()
-
-    def _close_step(self):
-        for fut in self._futures:
-            fut.wait()
-        self._futures, self._directions = [], {}
-        return super()._close_step()
+        _watch_units(units, self.marks)
 
     def buffer_bytes(self) -> int:
         """Bytes of the buffers kept between steps: staged ``m``, ``b`` and each unit's ``u`` (this rank's shard)."""
-        return super().buffer_bytes() + sum(u.nbytes for u in self._u.values())
+        return self.staging.buffer_bytes() + sum(u.nbytes for u in self._u.values())
 
     def _unit_buffer(self, index: int, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
         buf = self._u.get(index)
@@ -206,7 +195,7 @@ class FSDPHookState(BirderHookState):
     def reduce(self, index: int, unit: FSDPUnit, reduce_output: torch.Tensor) -> None:
         """The hook body for unit ``index``: encode its shard of the node-averaged gradient, start the all-reduce."""
         self.begin_backward()
-        opt, layout = self.optimizer, unit.layout()
+        layout = unit.layout()
         expected = sum(n for _, n in layout)
         if reduce_output.numel() != expected:
             raise RuntimeError(
@@ -216,45 +205,27 @@ class FSDPHookState(BirderHookState):
                     "keep requires_grad as at register_birder_fsdp and set_reduce_scatter_unused_params(True)",
                 )
             )
-        params, grads, offset = [], [], 0
+        items, offset = [], 0
         for p, taken in layout:
-            if opt.group_of(p) is None:
-                raise RuntimeError(
-                    explain(
-                        f"An FSDP parameter of shape {tuple(p.shape)} is not in the Birder optimizer",
-                        "build the optimizer from the sharded model's parameters, after fully_shard",
-                    )
-                )
-            if p in self._pending:
-                raise RuntimeError(
-                    explain(
-                        "birder_fsdp_hook saw the same parameter twice before optimizer.step()",
-                        "accumulate with model.set_requires_gradient_sync(False) on all but the last micro-batch",
-                    )
-                )
+            group = self.claim(
+                p,
+                "An FSDP parameter",
+                "build the optimizer from the sharded model's parameters, after fully_shard",
+                "accumulate with model.set_requires_gradient_sync(False) on all but the last micro-batch",
+            )
             x = local_tensor(p)
-            params.append(p)
-            grads.append(reduce_output[offset : offset + x.numel()].view(x.shape))
+            items.append((p, reduce_output[offset : offset + x.numel()].view(x.shape), group))
             offset += taken
         work = torch.float64 if reduce_output.dtype == torch.float64 else torch.float32
-        u = self._unit_buffer(index, sum(g.numel() for g in grads), work, reduce_output.device)
-        items = [(p, g, opt.group_of(p)) for p, g in zip(params, grads)]
-        params, us, keys = self.encode_and_stage(items, u)
-        self._directions.update(zip(params, us))
+        u = self._unit_buffer(index, sum(g.numel() for _, g, _ in items), work, reduce_output.device)
+        _, keys = self.staging.encode_and_stage(items, u, keep=True)
         if self.check_finite:
             self.flag_nonfinite(u)  # u = m / b is NaN exactly where the gradient was not finite
-        self._futures.append(self._all_reduce_async(u, keys))
+        self.in_flight.append(self.staging.exchange(u, keys))
 
     def finish_step(self) -> list[Update] | None:
         """Wait for the exchanges, agree the step is finite, commit ``m``, ``b`` and hand ``d`` to ``step()``."""
-        futures, directions = self._futures, self._directions
-        self._futures, self._directions = [], {}
-        for fut in futures:  # every exchange ends before anything else: the next step reuses the buffers
-            fut.wait()
-        updates = super().finish_step()
-        if updates is None:
-            return None
-        return [Update(group, params, [directions[p] for p in params]) for group, params, _ in updates]
+        return self.staging.commit(self.take_staged())
 
 
 def _watch_units(units: list[FSDPUnit], marks: UsageMarks) -> None:
@@ -281,21 +252,14 @@ def _refuse_wrappers(model) -> torch.nn.Module:
     inner = getattr(model, "_orig_mod", model)
     name = type(inner).__name__
     if isinstance(inner, torch.nn.parallel.DistributedDataParallel):
-        raise TypeError(
-            explain(
-                "register_birder_fsdp got a DistributedDataParallel model",
-                "use birder_hf.hook.attach_ddp_hook(model, optimizer) (accelerate: register_birder_hook)",
-            )
-        )
+        fix = "use birder_hf.hook.attach_ddp_hook(model, optimizer) (accelerate: register_birder_hook)"
+        raise TypeError(explain("register_birder_fsdp got a DistributedDataParallel model", fix))
     if isinstance(inner, FullyShardedDataParallel) or any(
         isinstance(m, FullyShardedDataParallel) for m in inner.modules()
     ):
-        raise TypeError(
-            explain(
-                "register_birder_fsdp supports FSDP2 (fully_shard), not FSDP1 (FullyShardedDataParallel)",
-                "wrap with fully_shard(module, mesh=mesh['shard']) (accelerate: fsdp_version: 2)",
-            )
-        )
+        what = "register_birder_fsdp supports FSDP2 (fully_shard), not FSDP1 (FullyShardedDataParallel)"
+        fix = "wrap with fully_shard(module, mesh=mesh['shard']) (accelerate: fsdp_version: 2)"
+        raise TypeError(explain(what, fix))
     if "DeepSpeed" in name:
         raise TypeError(
             explain("Birder does not run under DeepSpeed (ZeRO reduces gradients itself)", "use FSDP2 or DDP")
@@ -307,13 +271,11 @@ def _shard_grid(mesh) -> list[list[int]]:
     """``grid[node][local]`` of a 2-D (replicate, shard) mesh, or the one row of a 1-D mesh (FSDP over all ranks)."""
     ndim = getattr(mesh, "ndim", None)
     if ndim not in (1, 2) or not hasattr(mesh, "mesh"):
-        raise ValueError(
-            explain(
-                f"register_birder_fsdp needs a 2-D (replicate, shard) DeviceMesh, got {type(mesh).__name__}"
-                f"{'' if ndim is None else f' of {ndim} dimensions'}",
-                "build it with birder_hf.fsdp.hsdp_mesh(num_nodes)",
-            )
+        what = (
+            f"register_birder_fsdp needs a 2-D (replicate, shard) DeviceMesh, got {type(mesh).__name__}"
+            f"{'' if ndim is None else f' of {ndim} dimensions'}"
         )
+        raise ValueError(explain(what, "build it with birder_hf.fsdp.hsdp_mesh(num_nodes)"))
     grid = mesh.mesh.tolist()
     return grid if ndim == 2 else [grid]
 
@@ -327,41 +289,30 @@ def _check_model(model, optimizer: Birder, grid: list[list[int]]) -> None:
             f"The mesh {grid} must cover every rank of the default process group ({dist.get_world_size()}), once."
         )
     for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        where = f"parameter {name!r} (shape {tuple(p.shape)})"
-        if not is_sharded(p):
-            raise ValueError(
-                explain(f"{where} is not sharded by FSDP2: its gradient would stay rank-local", "shard the root too")
-            )
-        mesh = p.device_mesh
-        if mesh.ndim != 1:
-            raise ValueError(
-                explain(
-                    f"{where} is on a {mesh.ndim}-D mesh ({p.placements}): native 2-D HSDP reduces in full precision",
-                    "shard on the node: shard_model(model, mesh['shard']) (Trainer: BirderArguments(sharding='hsdp'))",
-                )
-            )
-        ranks = mesh.mesh.tolist()
-        if ranks != row:
-            raise ValueError(
-                explain(
-                    f"{where} is sharded over ranks {ranks}, but this rank's node in the mesh holds {row}",
-                    "shard with fully_shard(module, mesh=mesh['shard']) on this mesh",
-                )
-            )
-        if p.device.type != mesh.device_type:
-            raise ValueError(
-                explain(f"{where} is on {p.device} but the mesh on {mesh.device_type}", "drop offload_policy")
-            )
-        shard_offset(p)  # raises for placements other than Shard(0)
-        if optimizer.group_of(p) is None:
-            raise ValueError(
-                explain(
-                    f"{where} requires grad but is not in the Birder optimizer",
-                    "build the optimizer from the sharded model's parameters, after fully_shard",
-                )
-            )
+        problem = _parameter_problem(p, row, optimizer) if p.requires_grad else None
+        if problem is not None:
+            raise ValueError(explain(f"parameter {name!r} (shape {tuple(p.shape)}) {problem[0]}", problem[1]))
+
+
+def _parameter_problem(p: torch.Tensor, row: list[int], optimizer: Birder) -> tuple[str, str] | None:
+    """What is wrong with a trainable parameter for 1-bit HSDP, and the fix; ``None``: nothing."""
+    if not is_sharded(p):
+        return "is not sharded by FSDP2: its gradient would stay rank-local", "shard the root too"
+    mesh = p.device_mesh
+    if mesh.ndim != 1:
+        what = f"is on a {mesh.ndim}-D mesh ({p.placements}): native 2-D HSDP reduces in full precision"
+        return what, "shard on the node: shard_model(model, mesh['shard']) (Trainer: BirderArguments(sharding='hsdp'))"
+    ranks = mesh.mesh.tolist()
+    if ranks != row:
+        what = f"is sharded over ranks {ranks}, but this rank's node in the mesh holds {row}"
+        return what, "shard with fully_shard(module, mesh=mesh['shard']) on this mesh"
+    if p.device.type != mesh.device_type:
+        return f"is on {p.device} but the mesh on {mesh.device_type}", "drop offload_policy"
+    shard_offset(p)  # raises for placements other than Shard(0)
+    if optimizer.group_of(p) is None:
+        what = "requires grad but is not in the Birder optimizer"
+        return what, "build the optimizer from the sharded model's parameters, after fully_shard"
+    return None
 
 
 def register_birder_fsdp(
@@ -413,23 +364,16 @@ def register_birder_fsdp(
     if not isinstance(opt, Birder):
         raise TypeError(f"register_birder_fsdp needs a birder_hf.Birder optimizer, got {type(opt).__name__}.")
     if opt.communicator is not None:
-        raise ValueError(
-            explain(
-                f"This Birder optimizer already has a communicator ({type(opt.communicator).__name__})",
-                "call register_birder_fsdp once, and pass no process_group=/topology= to Birder",
-            )
-        )
+        what = f"This Birder optimizer already has a communicator ({type(opt.communicator).__name__})"
+        fix = "call register_birder_fsdp once, and pass no process_group=/topology= to Birder"
+        raise ValueError(explain(what, fix))
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("register_birder_fsdp needs torch.distributed to be initialized (init_process_group).")
     from torch.distributed import fsdp as torch_fsdp
 
     if in_backward and not hasattr(getattr(torch_fsdp, "FSDPModule", None), "set_all_reduce_hook"):
-        raise RuntimeError(
-            explain(
-                f"torch {torch.__version__} has no FSDPModule.set_all_reduce_hook (torch >= 2.7 has)",
-                "upgrade torch, or pass in_backward=False",
-            )
-        )
+        what = f"torch {torch.__version__} has no FSDPModule.set_all_reduce_hook (torch >= 2.7 has)"
+        raise RuntimeError(explain(what, "upgrade torch, or pass in_backward=False"))
     inner = _refuse_wrappers(model)
     grid = _shard_grid(mesh)
     _check_model(inner, opt, grid)
@@ -441,12 +385,8 @@ def register_birder_fsdp(
         except RuntimeError:  # a torch whose FSDP2 internals moved: unused parameters are those whose .grad is None
             units = None
     if in_backward and not units:
-        raise ValueError(
-            explain(
-                "register_birder_fsdp found no FSDP2 module with parameters in the model",
-                "shard it first: shard_model(model, mesh['shard'])",
-            )
-        )
+        fix = "shard it first: shard_model(model, mesh['shard'])"
+        raise ValueError(explain("register_birder_fsdp found no FSDP2 module with parameters in the model", fix))
     if len(grid) == 1:
         warnings.warn(
             "register_birder_fsdp: the mesh has no replicate dimension, so FSDP's full-precision reduce-scatter "
@@ -485,20 +425,8 @@ def register_birder_fsdp(
             # torch has no such switch: a unit with an unused parameter then fails with a clear error in backward)
             if hasattr(unit.module, "set_reduce_scatter_unused_params"):
                 unit.module.set_reduce_scatter_unused_params(True, recurse=False)
-            unit.module.set_all_reduce_hook(_UnitHook(state, index, unit))
+            unit.module.set_all_reduce_hook(functools.partial(state.reduce, index, unit))  # hook(reduce_output)
     except BaseException:
         state.detach()
         raise
     return state
-
-
-class _UnitHook:
-    """The callable FSDP calls with one unit's reduce-scatter output (``hook(reduce_output) -> None``)."""
-
-    __slots__ = ("state", "index", "unit")
-
-    def __init__(self, state: FSDPHookState, index: int, unit: FSDPUnit):
-        self.state, self.index, self.unit = state, index, unit
-
-    def __call__(self, reduce_output: torch.Tensor) -> None:
-        self.state.reduce(self.index, self.unit, reduce_output)

@@ -36,13 +36,84 @@ import torch.distributed as dist
 
 from .base import OneBitOptimizer, Update, unwrap_optimizer
 from .collectives import onebit_all_reduce
-from .communicators import HookState, _is_dense, agree_setup, setup_group
+from .communicators import DDPBuckets, HookState, Staged, agree_setup, is_dense, setup_group
 from .lifecycle import then
 from .optim import Birder, EncodeOut, StateBuffers
 from .settings import DEFAULT_INTER_METHOD, DEFAULT_METHOD, CommSettings, check_settings
 from .topology import Topology
 
-__all__ = ["BirderHookState", "birder_hook", "attach_ddp_hook", "unwrap_ddp"]
+__all__ = ["BirderHookState", "BirderStaging", "birder_hook", "attach_ddp_hook", "unwrap_ddp"]
+
+
+class BirderStaging:
+    """Birder's part of a hook state, shared by its DDP hook (:class:`BirderHookState`, a bucket at a time) and its
+    FSDP hook (``birder_hf.fsdp.FSDPHookState``, a unit's shard at a time): the buffers each parameter's next ``m``,
+    ``b`` are staged in, the encode-and-stage loop, the 1-bit exchange and the commit."""
+
+    __slots__ = ("state", "_scratch")
+
+    def __init__(self, state: HookState):
+        self.state = state
+        self._scratch: dict[torch.Tensor, StateBuffers] = {}  # param -> the buffers its next step writes into
+
+    def buffer_bytes(self) -> int:
+        """Bytes of the buffers kept between steps: the staged ``m``, ``b`` (and max ``b``) of every parameter."""
+        return sum(t.nbytes for bufs in self._scratch.values() for t in bufs if t is not None)
+
+    def _buffers(self, p: torch.Tensor, state: dict, amsgrad: bool) -> StateBuffers:
+        bufs = self._scratch.get(p)
+        if bufs is None or bufs.exp_avg.shape != state["exp_avg"].shape:
+            m = torch.empty_like(state["exp_avg"])
+            bufs = StateBuffers(m, torch.empty_like(m), torch.empty_like(m) if amsgrad else None)
+            self._scratch[p] = bufs
+        return bufs
+
+    def encode_and_stage(self, items: list[tuple], u_flat: torch.Tensor, *, keep: bool = False):
+        """Encode ``items`` (parameter, its gradient, its group) into consecutive views of ``u_flat`` (logical order,
+        as in ``Birder.step()``) and stage their new ``m``, ``b`` for :meth:`commit` (with ``keep``: their views of
+        ``u_flat`` too, the directions ``step()`` applies). Returns the parameters and the keys of their bits."""
+        opt, hook = self.state.optimizer, self.state
+        params, steps, at = [], [], 0
+        by_group: dict[int, tuple[dict, list, list, list]] = {}
+        for p, g, group in items:
+            steps.append(int(opt.init_state(p, group)["step"]) + 1)
+            ps, gs, vs = by_group.setdefault(id(group), (group, [], [], []))[1:]
+            ps.append(p)
+            gs.append(g)
+            vs.append(u_flat[at : at + g.numel()].view(g.shape))
+            params.append(p)
+            at += g.numel()
+        for group, ps, gs, vs in by_group.values():
+            bufs = [self._buffers(p, opt.state[p], group["amsgrad"]) for p in ps]
+            maxes = [b.max_exp_avg_abs for b in bufs] if group["amsgrad"] else None
+            staged = EncodeOut([b.exp_avg for b in bufs], [b.exp_avg_abs for b in bufs], maxes, vs)
+            opt.encode(group, ps, gs, out=staged, grad_scale=hook.loss_scale())
+            for p, b, u in zip(ps, bufs, vs):
+                hook.stage(p, group, b, u if keep else None)
+        return params, opt.bit_keys(params, steps)
+
+    def exchange(self, u: torch.Tensor, keys) -> torch.futures.Future:
+        """Start the 1-bit all-reduce of ``u`` (flat, overwritten with ``d``) with the state's settings."""
+        h = self.state
+        return onebit_all_reduce(
+            u, topology=h.topology, method=h.comm_settings, keys=keys, async_op=True, stats=h.step_stats, out=u
+        )
+
+    def commit(self, pending: dict[torch.Tensor, Staged] | None) -> list[Update] | None:
+        """Commit the staged ``m``, ``b`` (``pending``: the hook state's ``take_staged()``) and return what ``step()``
+        applies: each parameter's staged direction, else ``d`` in ``.grad``. ``None``: every rank skips the step."""
+        if pending is None:
+            return None
+        opt, updates = self.state.optimizer, []
+        for group in opt.param_groups:
+            # not those no rank computed a gradient for (a gradient of None, or found unused by take_staged)
+            params = [p for p in group["params"] if p.grad is not None and p in pending]
+            for p in params:  # the committed buffers become the next step's scratch
+                self._scratch[p] = opt.commit_state(p, pending[p].record)
+            if params:
+                ds = [p.grad if pending[p].direction is None else pending[p].direction for p in params]
+                updates.append(Update(group, params, ds))
+        return updates
 
 
 class BirderHookState(HookState):
@@ -65,18 +136,21 @@ class BirderHookState(HookState):
             tensor in ``.grad`` (one Python call per parameter per backward, 4 more bytes per parameter in that
             all-reduce). With ``check_finite=False``, use ``zero_grad(set_to_none=True)`` (the default) for that.
         agree_group (`ProcessGroup`, *optional*): the ranks that agree a step is finite; defaults to the
-            topology's (``birder_hf.fsdp`` passes every rank of the mesh).
+            topology's.
         grad_scaler (`torch.amp.GradScaler`, *optional*): the scaler that scales the loss (fp16). The hook reads the
             scale each backward used and encodes ``g / S`` (exact: S is a power of two), so ``m`` and ``b`` are those
             of the unscaled run through every back-off and growth; ``step()`` refuses a scaled step from a scaler whose
             scale differs from the one the hook read (without it: 1).
+
+    It owns two components: ``buckets`` (:class:`birder_hf.communicators.DDPBuckets`, DDP's side) and ``staging``
+    (:class:`BirderStaging`, Birder's side, which the FSDP hook's state owns too).
     """
 
     optimizer_class = Birder
     hook_name = "birder_hook"
     skip_unused = True
 
-    __slots__ = ("comm_settings", "_scratch")
+    __slots__ = ("buckets", "staging")
 
     def __init__(
         self,
@@ -90,23 +164,10 @@ class BirderHookState(HookState):
         agree_group=None,
         grad_scaler=None,
     ):
-        self.comm_settings = (method, inter_method, chunk_numel)  # a CommSettings once _check_setup has checked it
-        self._scratch: dict[torch.Tensor, StateBuffers] = {}  # param -> the buffers its next step writes into
-        super().__init__(
-            optimizer, topology, check_finite=check_finite, agree_group=agree_group, grad_scaler=grad_scaler
-        )
-
-    def _check_setup(self, optimizer, topology) -> None:
-        self.comm_settings = check_settings(*self.comm_settings)
-        super()._check_setup(optimizer, topology)
-        if not all(g["quantize"] for g in optimizer.param_groups):
-            raise ValueError("quantize=False is for one process only; the 1-bit hook always sends 1 bit.")
-
-    def _settings(self, optimizer, layout) -> dict:
-        return {
-            **super()._settings(optimizer, layout),
-            **self.comm_settings.as_dict(),
-        }
+        self.staging = BirderStaging(self)
+        kwargs = {"check_finite": check_finite, "agree_group": agree_group, "grad_scaler": grad_scaler}
+        super().__init__(optimizer, topology, comm_settings=(method, inter_method, chunk_numel), **kwargs)
+        self.buckets = DDPBuckets(self)
 
     @property
     def description(self) -> str:
@@ -114,68 +175,11 @@ class BirderHookState(HookState):
 
     def buffer_bytes(self) -> int:
         """Bytes of the buffers kept between steps: the staged ``m``, ``b`` (and max ``b``) of every parameter."""
-        return sum(t.nbytes for bufs in self._scratch.values() for t in bufs if t is not None)
-
-    def _buffers(self, p: torch.Tensor, state: dict, amsgrad: bool) -> StateBuffers:
-        bufs = self._scratch.get(p)
-        if bufs is None or bufs.exp_avg.shape != state["exp_avg"].shape:
-            m = torch.empty_like(state["exp_avg"])
-            bufs = StateBuffers(m, torch.empty_like(m), torch.empty_like(m) if amsgrad else None)
-            self._scratch[p] = bufs
-        return bufs
-
-    def encode_and_stage(self, items: list[tuple[torch.Tensor, torch.Tensor, dict]], u_flat: torch.Tensor):
-        """Encode ``items`` (parameter, its gradient, its group) into consecutive views of ``u_flat`` (logical order,
-        as in ``Birder.step()``) and stage their new ``m``, ``b`` for :meth:`finish_step`. Returns the parameters, their
-        ``u`` views and the keys of their bits."""
-        opt = self.optimizer
-        params, us, steps, at = [], [], [], 0
-        by_group: dict[int, tuple[dict, list, list, list]] = {}
-        for p, g, group in items:
-            steps.append(int(opt.init_state(p, group)["step"]) + 1)
-            u = u_flat[at : at + g.numel()].view(g.shape)
-            ps, gs, vs = by_group.setdefault(id(group), (group, [], [], []))[1:]
-            ps.append(p)
-            gs.append(g)
-            vs.append(u)
-            params.append(p)
-            us.append(u)
-            at += g.numel()
-        for group, ps, gs, vs in by_group.values():
-            bufs = [self._buffers(p, opt.state[p], group["amsgrad"]) for p in ps]
-            maxes = [b.max_exp_avg_abs for b in bufs] if group["amsgrad"] else None
-            staged = EncodeOut([b.exp_avg for b in bufs], [b.exp_avg_abs for b in bufs], maxes, vs)
-            opt.encode(group, ps, gs, out=staged, grad_scale=self.loss_scale())
-            for p, b in zip(ps, bufs):
-                self.stage(p, group, b)
-        return params, us, opt.bit_keys(params, steps)
-
-    def _all_reduce_async(self, u: torch.Tensor, keys) -> torch.futures.Future:
-        """Start the 1-bit all-reduce of ``u`` (flat, overwritten with ``d``) with this state's settings."""
-        return onebit_all_reduce(
-            u,
-            topology=self.topology,
-            method=self.comm_settings,
-            keys=keys,
-            async_op=True,
-            stats=self.step_stats,
-            out=u,
-        )
+        return self.staging.buffer_bytes()
 
     def finish_step(self) -> list[Update] | None:
         """Agree the step is finite, commit the staged ``m``, ``b``, and hand ``d`` (in ``.grad``) to ``step()``."""
-        pending = self.take_staged()
-        if pending is None:
-            return None
-        opt, updates = self.optimizer, []
-        for group in opt.param_groups:
-            # not those no rank computed a gradient for (a gradient of None, or found unused by take_staged)
-            params = [p for p in group["params"] if p.grad is not None and p in pending]
-            for p in params:  # the committed buffers become the next step's scratch
-                self._scratch[p] = opt.commit_state(p, pending[p].record)
-            if params:
-                updates.append(Update(group, params, [p.grad for p in params]))
-        return updates
+        return self.staging.commit(self.take_staged())
 
 
 def birder_hook(state: BirderHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -184,31 +188,24 @@ def birder_hook(state: BirderHookState, bucket: dist.GradBucket) -> torch.future
     Returns a Future whose value is the direction ``d`` for the bucket (bucket dtype), identical on
     every rank, with ``E[d]`` the mean over ranks of their ``u``.
     """
-    opt = state.optimizer
-    buffer = bucket.buffer()
-    items = state.begin_bucket(bucket)
-    try:
-        return _start_bucket(state, opt, bucket, buffer, items)
-    except BaseException:
-        state.abort_bucket([b.param for b in items])  # nothing of this bucket stays staged
-        raise
+    return state.buckets.run(bucket, lambda items: _start_bucket(state, bucket.buffer(), items))
 
 
-def _start_bucket(state: BirderHookState, opt: Birder, bucket, buffer: torch.Tensor, items: list):
+def _start_bucket(state: BirderHookState, buffer: torch.Tensor, items: list) -> torch.futures.Future:
     # encode the bucket's parameters into scratch buffers (committed in optimizer.step()), start the all-reduce
-    opt.check_state_matches([b.param for b in items])
+    state.optimizer.check_state_matches([b.param for b in items])
     u_dtype = torch.float64 if buffer.dtype == torch.float64 else torch.float32
     u_flat = torch.empty(buffer.numel(), dtype=u_dtype, device=buffer.device)
-    params, _, keys = state.encode_and_stage([(b.param, b.grad, b.group) for b in items], u_flat)
+    params, keys = state.staging.encode_and_stage([(b.param, b.grad, b.group) for b in items], u_flat)
     strided, offset = [], 0  # (offset, shape, strides) of the gradients the bucket holds in another memory order
     for p in params:
-        if _is_dense(p) and not p.is_contiguous():  # DDP reads a new result tensor with p's strides
+        if is_dense(p) and not p.is_contiguous():  # DDP reads a new result tensor with p's strides
             strided.append((offset, p.shape, p.stride()))
         offset += p.numel()
-    fut = state._all_reduce_async(u_flat, keys)
+    fut = state.staging.exchange(u_flat, keys)
     if buffer.dtype != u_dtype or strided:
         fut = then(fut, lambda f: _to_bucket_layout(f.value().to(buffer.dtype), strided))
-    return state.end_bucket(bucket, fut)
+    return fut
 
 
 def _to_bucket_layout(d: torch.Tensor, strided: list) -> torch.Tensor:

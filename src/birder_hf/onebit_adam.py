@@ -27,18 +27,19 @@ from .base import (
     NON_NEGATIVE,
     OneBitOptimizer,
     Setting,
-    _rule,
+    Update,
     all_finite,
     choice,
     is_integer,
     is_real_number,
+    rule,
     state_dtype,
     tensor_problem,
 )
-from .wire import Job, Wire, fp32_allreduce_bytes, launch_in_order
-from .communicators import HookState
+from .communicators import DDPBuckets, HookState
 from .quantize import pack_bits, unpack_bits
 from .topology import Topology
+from .wire import Job, Wire, fp32_allreduce_bytes, launch_in_order
 
 __all__ = ["OneBitAdam", "OneBitAdamHookState", "onebit_adam_hook", "compress_with_feedback", "shard_layout"]
 
@@ -103,11 +104,11 @@ class OneBitAdam(OneBitOptimizer):
     """
 
     settings = {
-        "lr": _rule(lambda v: is_real_number(v) and v >= 0, "a finite float >= 0"),
+        "lr": NON_NEGATIVE,
         "betas": Setting(_betas_problem),
         "eps": NON_NEGATIVE,
         "weight_decay": NON_NEGATIVE,
-        "freeze_step": _rule(
+        "freeze_step": rule(
             lambda v: is_integer(v) and v >= 1,
             "an int >= 1: the number of full-precision Adam warm-up steps, after which the variance is frozen (with "
             "0 it would stay zero); the paper uses about 15-25% of training",
@@ -145,15 +146,9 @@ class OneBitAdam(OneBitOptimizer):
         bias_correction: bool = True,
         scaling: str = "l2",
     ):
-        defaults = dict(
-            lr=lr,
-            betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            freeze_step=freeze_step,
-            bias_correction=bias_correction,
-            scaling=scaling,
-        )
+        betas = tuple(betas) if isinstance(betas, (tuple, list)) else betas
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "freeze_step": freeze_step,
+                    "bias_correction": bias_correction, "scaling": scaling}  # fmt: skip
         super().__init__(params, defaults)  # validates every setting and parameter
 
     def ddp_hook(self, *, topology, check_finite: bool, grad_scaler):
@@ -243,23 +238,21 @@ class OneBitAdam(OneBitOptimizer):
                 _adam_update(p, st, group)
         return False
 
-    def _step_communicated(self, staged: dict | None) -> None:
-        if staged is None:
-            return  # a rank had a non-finite gradient: every rank skips the step
-        for p, (group, record) in staged.items():
-            st = self.state[p]
-            if isinstance(record, _Warmup):
-                # the averaged gradient; .grad may have been clipped or unscaled since (as with AdamW)
-                _adam_update(p, st, group, grad=p.grad if p.grad is not None else record.grad)
-                continue
-            if record.m_bar is None:
-                raise RuntimeError("onebit_adam_hook's communication did not finish before optimizer.step().")
-            st["worker_error"], st["exp_avg"], st["server_error"] = (
-                record.worker_error,
-                record.m_bar,
-                record.server_error,
-            )
-            _adam_update(p, st, group)
+    def _step_communicated(self, updates: list[Update] | None) -> None:
+        # None: a rank had a non-finite gradient, and every rank skips the step; a direction is the hook's record
+        for group, params, records in updates or ():
+            for p, record in zip(params, records):
+                st = self.state[p]
+                if isinstance(record, _Warmup):
+                    # the averaged gradient; .grad may have been clipped or unscaled since (as with AdamW)
+                    _adam_update(p, st, group, grad=p.grad if p.grad is not None else record.grad)
+                    continue
+                if record.m_bar is None:
+                    raise RuntimeError("onebit_adam_hook's communication did not finish before optimizer.step().")
+                st["worker_error"] = record.worker_error
+                st["exp_avg"] = record.m_bar
+                st["server_error"] = record.server_error
+                _adam_update(p, st, group)
 
 
 def _local_momentum(st: dict, grad: torch.Tensor, group: dict) -> torch.Tensor:
@@ -383,13 +376,14 @@ class OneBitAdamHookState(HookState):
     hook_name = "onebit_adam_hook"
     loss_scale_invariant = False  # Adam's step and the compressed momentum's scale follow the gradient's scale
 
-    __slots__ = ("warmup_steps", "compressed_steps")
+    __slots__ = ("warmup_steps", "compressed_steps", "buckets")
 
     def __init__(
         self, optimizer: OneBitAdam, topology: Topology | None = None, *, check_finite: bool = True, grad_scaler=None
     ):
         self.warmup_steps = self.compressed_steps = 0
         super().__init__(optimizer, topology, check_finite=check_finite, grad_scaler=grad_scaler)
+        self.buckets = DDPBuckets(self)  # DDP's side: where each gradient lies in its bucket
 
     def metrics(self) -> dict[str, float]:
         return {**super().metrics(), self.optimizer.metrics_prefix + "compressed_steps": self.compressed_steps}
@@ -406,13 +400,16 @@ class OneBitAdamHookState(HookState):
     def description(self) -> str:
         return "1-bit Adam hook"
 
-    def finish_step(self) -> dict | None:
+    def finish_step(self) -> list[Update] | None:
+        """Agree the step is finite and hand ``step()`` each parameter's record of the exchange as its direction."""
         staged = self.take_staged()
-        if staged:
-            kinds = {type(s.record) for s in staged.values()}
-            self.warmup_steps += _Warmup in kinds
-            self.compressed_steps += _Compressed in kinds
-        return staged
+        if staged is None:
+            return None
+        kinds = {type(s.record) for s in staged.values()}
+        self.warmup_steps += _Warmup in kinds
+        self.compressed_steps += _Compressed in kinds
+        groups = [(g, [p for p in g["params"] if p in staged]) for g in self.optimizer.param_groups]
+        return [Update(g, ps, [staged[p].record for p in ps]) for g, ps in groups if ps]
 
 
 def onebit_adam_hook(state: OneBitAdamHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -428,15 +425,10 @@ def onebit_adam_hook(state: OneBitAdamHookState, bucket: dist.GradBucket) -> tor
     One all-to-all and one all-gather of ``(c/8 + 4k)`` bytes per peer per bucket (``c`` the elements
     of one shard of the bucket's ``k`` parameters, padded to whole bytes).
     """
-    items = state.begin_bucket(bucket)
-    try:
-        return _start_bucket(state, bucket, bucket.buffer(), items)
-    except BaseException:
-        state.abort_bucket([item.param for item in items])  # nothing of this bucket stays staged
-        raise
+    return state.buckets.run(bucket, lambda items: _start_bucket(state, bucket.buffer(), items))
 
 
-def _start_bucket(state: OneBitAdamHookState, bucket, buffer: torch.Tensor, items: list):
+def _start_bucket(state: OneBitAdamHookState, buffer: torch.Tensor, items: list) -> torch.futures.Future:
     opt, topo = state.optimizer, state.topology
     n, rank = topo.world_size, topo.rank
     opt.check_state_matches([item.param for item in items])
@@ -465,7 +457,7 @@ def _start_bucket(state: OneBitAdamHookState, bucket, buffer: torch.Tensor, item
                 item.in_place.copy_(item.grad.clone())
             return recv
 
-        return state.end_bucket(bucket, launch_in_order(topo, Job(Wire(topo, stats), start, finish)))
+        return launch_in_order(topo, Job(Wire(topo, stats), start, finish))
 
     # compressed: worker side, here on the autograd thread
     layout, records, signs_list, scales_list, col = [], [], [], [], 0
@@ -511,7 +503,7 @@ def _start_bucket(state: OneBitAdamHookState, bucket, buffer: torch.Tensor, item
             seg.out.copy_(record.m_bar)
         return buffer
 
-    return state.end_bucket(bucket, launch_in_order(topo, Job(Wire(topo, stats), start, finish)))
+    return launch_in_order(topo, Job(Wire(topo, stats), start, finish))
 
 
 class _Segment(NamedTuple):

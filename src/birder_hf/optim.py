@@ -41,11 +41,11 @@ from .base import (
     OPTIONAL_FLAG,
     OneBitOptimizer,
     Update,
-    _rule,
     all_finite,
     is_integer,
     is_real_number,
     local_tensor,
+    rule,
     shard_offset,
     shard_record,
     state_dtype,
@@ -138,11 +138,11 @@ class Birder(OneBitOptimizer):
 
     settings = {
         "lr": LR,
-        "beta": _rule(lambda v: is_real_number(v) and 0 <= v < 1, "a float in [0, 1) (the paper uses 0.95)"),
+        "beta": rule(lambda v: is_real_number(v) and 0 <= v < 1, "a float in [0, 1) (the paper uses 0.95)"),
         "weight_decay": NON_NEGATIVE,
         "quantize": FLAG,
         "amsgrad": FLAG,
-        "stale": _rule(lambda v: v in STALE_MODES, f"one of {', '.join(map(repr, STALE_MODES))}"),
+        "stale": rule(lambda v: v in STALE_MODES, f"one of {', '.join(map(repr, STALE_MODES))}"),
         "seed": INTEGER,
         "foreach": OPTIONAL_FLAG,
         "maximize": FLAG,
@@ -210,17 +210,9 @@ class Birder(OneBitOptimizer):
                 raise ValueError("Pass process_group= or topology=, not both.")
             if seed is None:  # torch's seed, not a draw from its generator: two optimizers built alike step alike
                 seed = torch.initial_seed() % (2**31 - 1)
-            defaults = dict(
-                lr=lr,
-                beta=beta,
-                weight_decay=weight_decay,
-                quantize=quantize,
-                amsgrad=amsgrad,
-                stale=stale,
-                seed=int(seed) if is_integer(seed) else seed,  # a numpy int becomes a Python int (weights_only loads)
-                foreach=foreach,
-                maximize=maximize,
-            )
+            seed = int(seed) if is_integer(seed) else seed  # a numpy int becomes a Python int (weights_only loads)
+            defaults = {"lr": lr, "beta": beta, "weight_decay": weight_decay, "quantize": quantize, "amsgrad": amsgrad,
+                        "stale": stale, "seed": seed, "foreach": foreach, "maximize": maximize}  # fmt: skip
             super().__init__(params, defaults)  # validates every setting and parameter
             if distributed and not quantize:
                 raise ValueError("quantize=False sends full-precision u and is for one process only; drop it.")
@@ -522,7 +514,8 @@ def birder(
 
 
 def _fade_(m: torch.Tensor, zero: torch.Tensor, beta: float) -> None:
-    """m <- beta m where ``zero`` (g == 0; after the EMA: a stale coordinate's m decays by beta twice, its u by beta)."""
+    """m <- beta m where ``zero`` (g == 0; after the EMA: a stale coordinate's m decays by beta twice, its u by
+    beta)."""
     m.copy_(torch.where(zero, m * beta, m))
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
-
 __all__ = [
     "CommSettings",
     "check_settings",

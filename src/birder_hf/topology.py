@@ -311,20 +311,9 @@ class Topology:
         world_group = dist.new_group(list(range(world))) if world > 1 else dist.group.WORLD
         intra_group, inter_group = _build_group(intra, world_group), _build_group(inter, world_group)
         built = [g for g in (world_group, intra_group, inter_group) if g is not None and g is not dist.group.WORLD]
-        return cls(
-            rank=rank,
-            world_size=world,
-            local_rank=local,
-            local_world_size=lws,
-            node_rank=node,
-            num_nodes=k,
-            world_group=world_group,
-            intra_group=intra_group,
-            inter_group=inter_group,
-            intra_ranks=intra[node],
-            inter_ranks=inter[local],
-            owned_groups=tuple({id(g): g for g in built}.values()),
-        )
+        return cls(rank=rank, world_size=world, local_rank=local, local_world_size=lws, node_rank=node, num_nodes=k,
+                   world_group=world_group, intra_group=intra_group, inter_group=inter_group, intra_ranks=intra[node],
+                   inter_ranks=inter[local], owned_groups=tuple({id(g): g for g in built}.values()))  # fmt: skip
 
     # -------------------------------------------------------------------------------------------- close
     def close(self) -> None:
@@ -398,12 +387,8 @@ def _mesh_grid(mesh, where: str) -> list[list[int]]:
     # a group's ranks are ordered by global rank: the mesh must ascend along both dimensions for
     # those orders to be the mesh's local and node indices
     if any(sorted(row) != row for row in grid) or any(sorted(col) != list(col) for col in zip(*grid)):
-        raise ValueError(
-            explain(
-                f"{where}: the mesh's ranks do not ascend along both dimensions",
-                "build it with init_device_mesh(device, (num_nodes, local_world_size)), or use Topology.from_layout",
-            )
-        )
+        fix = "build it with init_device_mesh(device, (num_nodes, local_world_size)), or use Topology.from_layout"
+        raise ValueError(explain(f"{where}: the mesh's ranks do not ascend along both dimensions", fix))
     return grid
 
 

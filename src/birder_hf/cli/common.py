@@ -10,7 +10,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-
 EXIT_CODES = {
     "arguments": 2,
     "interface": 3,

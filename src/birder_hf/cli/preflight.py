@@ -1,7 +1,8 @@
 """``birder-hf preflight``: check a multi-node launch in seconds, instead of hanging for the process-group timeout.
 
 Our tool, not part of the paper. A job that cannot rendezvous waits for ``init_process_group``'s timeout (NCCL 10
-minutes, gloo 30, by default in torch 2.14) and says little. Run this on every node, with the arguments (or environment) of the real launch::
+minutes, gloo 30, by default in torch 2.14) and says little. Run this on every node, with the arguments (or
+environment) of the real launch::
 
     birder-hf preflight --nnodes 4 --node_rank $NODE_RANK --nproc_per_node 8 --master_addr $MASTER_ADDR \\
         --master_port 29500 --params 25.6e6
@@ -61,6 +62,7 @@ from .common import _INTERNAL, CHILD_ENV, EXIT_CODES, Config, PreflightError, ch
 from .ranks import run_rank
 
 __all__ = ["main", "cli", "PreflightError", "EXIT_CODES"]
+
 
 # ------------------------------------------------------------------------------------------ configuration
 def _parser() -> argparse.ArgumentParser:

@@ -107,13 +107,11 @@ def check_elastic_restart() -> None:
     """
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if restart not in ("", "0") and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        raise RuntimeError(
-            explain(
-                f"torchrun restarted (TORCHELASTIC_RESTART_COUNT={restart}) on a shared store: "
-                "init_process_group would fail (pytorch/pytorch#135712)",
-                "Launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (every node)",
-            )
+        what = (
+            f"torchrun restarted (TORCHELASTIC_RESTART_COUNT={restart}) on a shared store: "
+            "init_process_group would fail (pytorch/pytorch#135712)"
         )
+        raise RuntimeError(explain(what, "Launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (every node)"))
 
 
 def register_birder_hook(accelerator, model, optimizer, *, topology: Topology | None = None, mesh=None, **options):

@@ -15,13 +15,10 @@ import logging
 import os
 
 from ..fsdp import hsdp_mesh, shard_model
+from . import needs_extra
 
-try:
+with needs_extra(__name__, "transformers", "transformers"):
     from transformers import Trainer
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "birder_hf.integrations.hsdp_trainer needs transformers: pip install 'birder-hf[transformers]'"
-    ) from exc
 
 __all__ = ["ShardedTrainerMixin", "HSDPTrainer"]
 
@@ -122,8 +119,9 @@ def _launcher_nodes() -> int:
 
 
 def _model_keys(model, saved: dict, folder: str) -> dict:
-    """``saved`` (what ``save_pretrained`` wrote) under ``model``'s own keys, checked: every weight of the model is there
-    but tied ones (saved once), and nothing else. Raises ``ValueError`` naming the keys, before anything is loaded.
+    """``saved`` (what ``save_pretrained`` wrote) under ``model``'s own keys, checked: every weight of the model is
+    there but tied ones (saved once), and nothing else. Raises ``ValueError`` naming the keys, before anything is
+    loaded.
 
     transformers saves some models under their checkpoints' original names (a ``ViTForImageClassification``'s
     ``...attention.attention.key...`` for its ``...attention.k_proj...``); ``from_pretrained`` renames them back, a

@@ -74,15 +74,12 @@ from ..hook import BirderHookState, attach_ddp_hook
 from ..onebit_adam import OneBitAdam
 from ..optim import Birder
 from ..topology import Topology
+from . import needs_extra
 
-try:
+with needs_extra(__name__, "PyTorch Lightning", "lightning"):
     from lightning.pytorch.strategies import DDPStrategy
     from lightning.pytorch.trainer.states import TrainerFn
     from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "birder_hf.integrations.lightning needs PyTorch Lightning: pip install 'birder-hf[lightning]'"
-    ) from exc
 
 __all__ = ["BirderDDPStrategy", "birder_state_dir", "find_resumable_lightning_checkpoint"]
 
@@ -155,12 +152,8 @@ def find_resumable_lightning_checkpoint(dirpath: str | os.PathLike) -> str | Non
 
 def _check_trainer_settings(precision: str, gradient_clip_val: float | None) -> None:
     if gradient_clip_val is not None and gradient_clip_val > 0:
-        raise ValueError(
-            explain(
-                f"Trainer(gradient_clip_val={gradient_clip_val}) would clip Birder's direction (in [-1, 1]) in .grad",
-                "Remove gradient_clip_val (a step is bounded by lr already)",
-            )
-        )
+        what = f"Trainer(gradient_clip_val={gradient_clip_val}) would clip Birder's direction (in [-1, 1]) in .grad"
+        raise ValueError(explain(what, "Remove gradient_clip_val (a step is bounded by lr already)"))
 
 
 def _check_precision(precision: str, opt) -> None:
@@ -173,13 +166,11 @@ def _check_precision(precision: str, opt) -> None:
 def _one_bit_optimizer(optimizers: list, automatic_optimization: bool) -> Birder | OneBitAdam:
     if len(optimizers) != 1:
         mode = "automatic" if automatic_optimization else "manual"
-        raise ValueError(
-            explain(
-                "BirderDDPStrategy needs exactly one Birder or OneBitAdam (DDP takes one hook), but "
-                f"configure_optimizers returned {len(optimizers)} ({mode} optimization)",
-                "put all parameters into one Birder (param groups may differ)",
-            )
+        what = (
+            "BirderDDPStrategy needs exactly one Birder or OneBitAdam (DDP takes one hook), but "
+            f"configure_optimizers returned {len(optimizers)} ({mode} optimization)"
         )
+        raise ValueError(explain(what, "put all parameters into one Birder (param groups may differ)"))
     opt = optimizers[0]
     if not isinstance(opt, _ONE_BIT):
         raise TypeError(
@@ -397,12 +388,9 @@ class BirderDDPStrategy(DDPStrategy):
         bad = next(((r, p) for r, (_, p) in enumerate(reports) if p is not None), None)
         if bad is not None:
             rank, problem = bad
-            raise RuntimeError(
-                explain(
-                    f"{path} is not complete on every rank (rank {rank} sees: {problem}); nothing was loaded",
-                    "pass ckpt_path=find_resumable_lightning_checkpoint(dirpath) to trainer.fit",
-                )
-            )
+            what = f"{path} is not complete on every rank (rank {rank} sees: {problem}); nothing was loaded"
+            fix = "pass ckpt_path=find_resumable_lightning_checkpoint(dirpath) to trainer.fit"
+            raise RuntimeError(explain(what, fix))
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
         super().load_optimizer_state_dict(checkpoint)  # rank 0's state, on every rank
@@ -413,12 +401,9 @@ class BirderDDPStrategy(DDPStrategy):
         try:
             state = read_own_rank_state(opt, folder, rank=self.global_rank, world_size=self.world_size)
         except FileNotFoundError as exc:
-            raise FileNotFoundError(
-                explain(
-                    f"{path} has no per-rank Birder state ({folder}/): not written by BirderDDPStrategy or not copied",
-                    f"resume from a checkpoint BirderDDPStrategy saved ({exc})",
-                )
-            ) from exc
+            what = f"{path} has no per-rank Birder state ({folder}/): not written by BirderDDPStrategy or not copied"
+            fix = f"resume from a checkpoint BirderDDPStrategy saved ({exc})"
+            raise FileNotFoundError(explain(what, fix)) from exc
         opt.load_state_dict(state)
 
     def teardown(self) -> None:

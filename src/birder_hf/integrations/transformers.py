@@ -70,16 +70,13 @@ from ..model_card import fix_trainer_card, model_card_section, optimizer_descrip
 from ..onebit_adam import OneBitAdam
 from ..optim import DEFAULT_STALE, Birder
 from ..topology import Topology
+from . import needs_extra
 from .accelerate import check_really_distributed, report_skipped_step
 from .hsdp_trainer import HSDPTrainer, ShardedTrainerMixin
 
-try:
+with needs_extra(__name__, "transformers", "transformers"):
     from transformers import Trainer, TrainerCallback
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "birder_hf.integrations.transformers needs transformers: pip install 'birder-hf[transformers]'"
-    ) from exc
 
 __all__ = [
     "BirderArguments",
@@ -230,27 +227,13 @@ class BirderCallback(TrainerCallback):
         if hooked is not None:
             hooked.close()
         b = trainer.birder_args
+        comm = {"method": b.method, "inter_method": b.inter_method, "chunk_numel": b.chunk_numel}
+        comm["grad_scaler"] = getattr(trainer.accelerator, "scaler", None)  # fp16: the hook divides its scale out
         if trainer.birder_mesh is not None:
-            trainer.birder_hook_state = register_birder_fsdp(
-                trainer.model,
-                opt,
-                trainer.birder_mesh,
-                method=b.method,
-                inter_method=b.inter_method,
-                chunk_numel=b.chunk_numel,
-                grad_scaler=getattr(trainer.accelerator, "scaler", None),  # fp16: the hook divides its scale out
-            )
+            trainer.birder_hook_state = register_birder_fsdp(trainer.model, opt, trainer.birder_mesh, **comm)
             logger.info("%s: %s on %r", type(opt).__name__, trainer.birder_hook_state.description, trainer.birder_mesh)
             return
-        trainer.birder_hook_state = attach_ddp_hook(
-            trainer.model_wrapped,
-            opt,
-            topology=b.topology(),
-            method=b.method,
-            inter_method=b.inter_method,
-            chunk_numel=b.chunk_numel,
-            grad_scaler=getattr(trainer.accelerator, "scaler", None),
-        )
+        trainer.birder_hook_state = attach_ddp_hook(trainer.model_wrapped, opt, topology=b.topology(), **comm)
         state = trainer.birder_hook_state
         logger.info("%s: %s registered on %r", type(opt).__name__, state.description, state.topology)
 
@@ -297,14 +280,11 @@ class BirderTrainerMixin(ShardedTrainerMixin):
         if self.optimizer is None and self.optimizer_cls_and_kwargs is None:
             a, b = self.args, self.birder_args
             if b.optimizer == "onebitadam":
-                cls, extra = (
-                    OneBitAdam,
-                    dict(betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon, freeze_step=b.freeze_step),
-                )
+                cls = OneBitAdam
+                extra = dict(betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon, freeze_step=b.freeze_step)
             else:
-                cls, extra = Birder, dict(
-                    beta=b.beta, amsgrad=b.amsgrad, stale=b.stale, quantize=b.quantize, seed=a.seed
-                )
+                cls = Birder
+                extra = dict(beta=b.beta, amsgrad=b.amsgrad, stale=b.stale, quantize=b.quantize, seed=a.seed)
             self.optimizer_cls_and_kwargs = (cls, dict(lr=a.learning_rate, weight_decay=a.weight_decay, **extra))
         return super().create_optimizer(model) if model is not None else super().create_optimizer()
 
@@ -419,12 +399,8 @@ def _check_supported_setup(args, b: BirderArguments, trainer=None) -> None:
     default = getattr(default, "default", optim)
     if optim != getattr(default, "value", default):
         name = "OneBitAdam" if b.optimizer == "onebitadam" else "Birder"
-        raise ValueError(
-            explain(
-                f"TrainingArguments.optim={optim!r}: BirderTrainer trains with {name} and would ignore it",
-                f"Leave --optim at its default ({getattr(default, 'value', default)!r})",
-            )
-        )
+        what = f"TrainingArguments.optim={optim!r}: BirderTrainer trains with {name} and would ignore it"
+        raise ValueError(explain(what, f"Leave --optim at its default ({getattr(default, 'value', default)!r})"))
     if args.fp16 and b.optimizer == "onebitadam":
         raise ValueError(
             "1-bit Adam cannot train with fp16 loss scaling: its hook encodes the scaled gradients, and Adam's step "
@@ -439,12 +415,8 @@ def _check_supported_setup(args, b: BirderArguments, trainer=None) -> None:
         if on
     ]
     if sharded:
-        raise ValueError(
-            explain(
-                f"BirderTrainer does not train with the Trainer's own {' or '.join(sharded)} (it bypasses the hook)",
-                "drop --fsdp/--deepspeed; to shard use BirderArguments(sharding='hsdp')",
-            )
-        )
+        what = f"BirderTrainer does not train with the Trainer's own {' or '.join(sharded)} (it bypasses the hook)"
+        raise ValueError(explain(what, "drop --fsdp/--deepspeed; to shard use BirderArguments(sharding='hsdp')"))
 
 
 class BirderTrainer(BirderTrainerMixin, Trainer):
