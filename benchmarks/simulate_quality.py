@@ -152,7 +152,7 @@ def report(args) -> dict:
                                     "step_to_target_median": statistics.median(steps),
                                     "step_to_target_worst": steps[-1], "curves": curves}  # fmt: skip
     args.results.mkdir(parents=True, exist_ok=True)
-    name = f"simulate_quality_{args.task}" + (f"_gb{gb}" if gb != GLOBAL_BATCH[args.task] else "")
+    name = f"simulate_quality_{args.task}" + (f"_gb{gb}" if gb != GLOBAL_BATCH[args.task] else "") + args.tag
     _write_table_and_figure(res, args.results / name, args)
     (args.results / f"{name}.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
     for w, r in res["runs"].items():
@@ -214,6 +214,7 @@ def main(argv=None) -> int:
     ap.add_argument("--work", type=Path, default=ROOT / "outputs" / "simulate_quality")
     ap.add_argument("--results", type=Path, default=ROOT / "docs" / "results")
     ap.add_argument("--report", action="store_true")
+    ap.add_argument("--tag", default="", help="appended to the report's file names (e.g. _lr4.7e-3)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     if args.report:

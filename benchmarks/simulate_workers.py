@@ -84,6 +84,7 @@ class SimulatedWorkers:
         for opt, gs in zip(self.optimizers, grads, strict=True):
             (group,) = opt.param_groups
             us.append(torch.cat([u.reshape(-1) for u in opt.encode(group, self.params, gs)]))
+        self.last_us = us  # every worker's flat u of this step (benchmarks/vote_strength.py reads it)
         steps = [int(lead.state[p]["step"]) for p in self.params]
         d = hierarchical_mean(us, lead.bit_keys(self.params, steps), self.nodes, self.local)
         (group,) = lead.param_groups
