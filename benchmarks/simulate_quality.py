@@ -195,9 +195,9 @@ def _write_table_and_figure(res: dict, stem: Path, args) -> None:
     ax.set_title(f"{res['task']}: n simulated workers at global batch {gb}, median and range over seeds", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(stem.with_suffix(".png"), dpi=110)
+    fig.savefig(f"{stem}.png", dpi=110)
     plt.close(fig)
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    Path(f"{stem}.md").write_text("\n".join(lines) + "\n")
 
 
 def main(argv=None) -> int:
