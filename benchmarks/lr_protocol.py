@@ -114,11 +114,6 @@ def _s_per_step(task: str, method: str) -> float | None:
 
 def report(task: str, results: Path) -> str:
     """A markdown table and a figure (held-out seeds' curves) from ``lr_protocol_{task}.json``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     store = json.loads((results / f"lr_protocol_{task}.json").read_text())
     key, higher = sq.PRIMARY[task]
     lines = [
@@ -129,7 +124,7 @@ def report(task: str, results: Path) -> str:
         "steps to target: median / worst | time to target (s): median / worst | final: median / worst |",
         "|---|---|---|---|---|---|",
     ]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    bands = []
     for label, m in store["methods"].items():
         grid = ", ".join(
             ("**{}: {:.1f}**" if float(lr) == m["chosen"] else "{}: {:.1f}").format(lr, t["median"])
@@ -152,19 +147,9 @@ def report(task: str, results: Path) -> str:
             f"| {label} | {grid} | {h['reached']} of {h['seeds']} | {med if med != math.inf else 'not reached'} / "
             f"{worst} | {t(med)} / {t(worst)} | {h['median']:.1f} / {h['worst']:.1f} |"
         )
-        curves = [r["curve"] for r in h["per_seed"].values()]
-        xs = curves[0]["steps"]
-        ys = [[c[key][i] for c in curves] for i in range(len(xs))]
-        line = ax.plot(xs, [statistics.median(y) for y in ys], label=f"{label} (lr {m['chosen']:g})")[0]
-        ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.15)
-    ax.axhline(store["target"], color="k", ls="--", lw=0.8, label="target")
-    ax.set_xlabel("step")
-    ax.set_ylabel(key)
-    ax.set_title(f"{task}: held-out seeds 3-7, median and range", fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(results / f"lr_protocol_{task}.png", dpi=110)
-    plt.close(fig)
+        bands.append((f"{label} (lr {m['chosen']:g})", [r["curve"] for r in h["per_seed"].values()]))
+    title = f"{task}: held-out seeds 3-7, median and range"
+    sq.plot_seed_bands(bands, key, store["target"], title, results / f"lr_protocol_{task}.png")
     (results / f"lr_protocol_{task}.json").write_text(json.dumps(store, indent=1) + "\n")  # with the times
     lines.insert(2, f"<!-- numbers: docs/results/lr_protocol_{task}.json -->")
     table = "\n".join(lines) + "\n"

@@ -160,12 +160,31 @@ def report(args) -> dict:
     return res
 
 
-def _write_table_and_figure(res: dict, stem: Path, args) -> None:
+def plot_seed_bands(rows: list[tuple[str, list[dict]]], key: str, target: float, title: str, path: Path) -> None:
+    """One line per row (label, its seeds' curves ``{"steps": [...], key: [...]}``): the median over the seeds, with
+    their range shaded; the target dashed. Also ``lr_protocol.py``'s figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for label, curves in rows:
+        xs = curves[0]["steps"]
+        ys = [[c[key][i] for c in curves] for i in range(len(xs))]
+        line = ax.plot(xs, [statistics.median(y) for y in ys], label=label)[0]
+        ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.15)
+    ax.axhline(target, color="k", ls="--", lw=0.8, label="target")
+    ax.set_xlabel("step")
+    ax.set_ylabel(key)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _write_table_and_figure(res: dict, stem: Path, args) -> None:
     key, gb = res["metric"], res["global_batch"]
     shown = lambda x: "not reached" if x == float("inf") else f"{x:g}"  # noqa: E731
     lines = [
@@ -177,26 +196,16 @@ def _write_table_and_figure(res: dict, stem: Path, args) -> None:
         "worst |",
         "|---|---|---|---|---|---|",
     ]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    bands = []
     for workers, r in res["runs"].items():
         label = "AdamW (one process)" if workers == "adamw" else f"Birder {workers}"
         lines.append(
             f"| {label} | {r['n']} | {gb // r['n']} | {res['lr'][workers]:g} | {r['median']:.1f} / {r['worst']:.1f} | "
             f"{shown(r['step_to_target_median'])} / {shown(r['step_to_target_worst'])} |"
         )
-        curves = list(r["curves"].values())
-        xs = curves[0]["steps"]
-        ys = [[c[key][i] for c in curves] for i in range(len(xs))]
-        line = ax.plot(xs, [statistics.median(y) for y in ys], label=f"{label}, n = {r['n']}")[0]
-        ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.12)
-    ax.axhline(res["target"], color="k", ls="--", lw=0.8, label="target")
-    ax.set_xlabel("step")
-    ax.set_ylabel(key)
-    ax.set_title(f"{res['task']}: n simulated workers at global batch {gb}, median and range over seeds", fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(f"{stem}.png", dpi=110)
-    plt.close(fig)
+        bands.append((f"{label}, n = {r['n']}", list(r["curves"].values())))
+    title = f"{res['task']}: n simulated workers at global batch {gb}, median and range over seeds"
+    plot_seed_bands(bands, key, res["target"], title, Path(f"{stem}.png"))
     Path(f"{stem}.md").write_text("\n".join(lines) + "\n")
 
 
