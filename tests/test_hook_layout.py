@@ -2,9 +2,9 @@
 
 DDP lays a dense parameter out in its bucket in the memory order the parameter had when DDP built its buckets, and
 reads the hook's result back through views with those strides, while ``GradBucket.gradients()`` views every segment
-C-contiguously. The hooks must follow DDP (``DDPBuckets._grad`` in birder_hf.communicators). These tests failed while the hooks used
-``gradients()``: m, b and the conv weights diverged from the one-process optimizer, a checkpoint written under the
-hook resumed scrambled through ``step()``, and 1-bit Adam's compressed momentum mixed up elements.
+C-contiguously. The hooks must follow DDP (``DDPBuckets._grad`` in birder_hf.communicators). These tests failed
+while the hooks used ``gradients()``: m, b and the conv weights diverged from the one-process optimizer, a checkpoint
+written under the hook resumed scrambled through ``step()``, and 1-bit Adam's compressed momentum mixed up elements.
 """
 
 import pytest
