@@ -45,10 +45,6 @@ def _records(args, method, seed):
     return [r for r in recs if r["kind"] == "eval"] if any(r["kind"] == "done" for r in recs) else None
 
 
-def _target(task: str) -> float:
-    return json.loads((ROOT / "docs" / "results" / "tta.json").read_text())["tasks"][task]["target"]
-
-
 def summarize(evals: list[dict], key: str, higher: bool, target: float) -> dict:
     """Final metric, first step at the target (None: never), and whether the run diverged."""
     final = evals[-1][key]
@@ -60,7 +56,7 @@ def summarize(evals: list[dict], key: str, higher: bool, target: float) -> dict:
 def run_method(task, method, grid, options, work, steps, eval_every) -> dict:
     """Tune on TUNE, pick by median (diverged seeds disqualify), run HELD_OUT at the pick. Runs what is missing."""
     key, higher = sq.PRIMARY[task]
-    target = _target(task)
+    target = sq.tta_target(task)
     seeds_cache: dict = {}
 
     def runs(lr, seeds):
@@ -182,7 +178,7 @@ def main(argv=None) -> int:
     label = args.label or args.method + ("" if args.options == "{}" else " " + args.options)
     args.results.mkdir(parents=True, exist_ok=True)
     out = args.results / f"lr_protocol_{args.task}.json"
-    store = json.loads(out.read_text()) if out.exists() else {"task": args.task, "target": _target(args.task)}
+    store = json.loads(out.read_text()) if out.exists() else {"task": args.task, "target": sq.tta_target(args.task)}
     store.setdefault("methods", {})[label] = {"method": args.method, "options": json.loads(args.options),
                                              "steps": steps, "grid": args.grid, **res}  # fmt: skip
     store["protocol"] = f"tune on seeds {list(TUNE)} by the median final, evaluate on held-out seeds {list(HELD_OUT)}"

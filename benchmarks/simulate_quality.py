@@ -121,7 +121,7 @@ def _path(args, workers: str, seed: int) -> Path:
     return args.work / f"{args.task}-{workers}-lr{_lr(args, args.task, workers):g}{tag}-seed{seed}.jsonl"
 
 
-def _target(task: str) -> float:
+def tta_target(task: str) -> float:
     """The time-to-accuracy target: 95% of DDP fp32's median final at the protocol's batch (docs/results/tta.json)."""
     return json.loads((ROOT / "docs" / "results" / "tta.json").read_text())["tasks"][task]["target"]
 
@@ -129,7 +129,7 @@ def _target(task: str) -> float:
 def report(args) -> dict:
     """Per worker count: final metric and first step at the target, median and worst seed; a table and a figure."""
     key, higher = PRIMARY[args.task]
-    target, gb = _target(args.task), _global_batch(args, args.task)
+    target, gb = tta_target(args.task), _global_batch(args, args.task)
     res = {"task": args.task, "metric": key, "global_batch": gb, "target": target, "options": json.loads(args.options),
            "lr": {w: _lr(args, args.task, w) for w in args.workers}, "runs": {}}  # fmt: skip
     reached = (lambda v: v >= target) if higher else (lambda v: v <= target)  # noqa: E731
