@@ -16,6 +16,7 @@ run is read, not run again).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
@@ -38,7 +39,6 @@ LR = {"birder": {"qa": 4e-3, "image": 2e-3, "lm": 1e-3}, "adamw": {"qa": 2e-3, "
 
 
 def _run(task_name: str, workers: str, seed: int, args, out: Path) -> None:
-    import torch.distributed as dist
     from _tta_worker import build_task, lr_lambda
 
     if out.exists() and any(json.loads(x).get("kind") == "done" for x in out.read_text().splitlines() if x):
@@ -49,9 +49,7 @@ def _run(task_name: str, workers: str, seed: int, args, out: Path) -> None:
     n = nodes * local
     if total % n:
         raise SystemExit(f"{workers}: {n} workers do not split the global batch of {total}")
-    init = tempfile.NamedTemporaryFile(delete=False)
-    dist.init_process_group("gloo", init_method=f"file://{init.name}", rank=0, world_size=1)
-    try:
+    with one_process_group():
         ns = argparse.Namespace(seed=seed, batch=total // n, qa_train=2400, qa_eval=240)
         task = build_task(task_name, ns, 0, n, args.work / "data")
         model, params = task.model, list(task.model.parameters())
@@ -82,14 +80,7 @@ def _run(task_name: str, workers: str, seed: int, args, out: Path) -> None:
         evaluate(0, [])
         losses, t0 = [], time.perf_counter()
         for step in range(1, args.steps + 1):
-            grads, step_loss = [], 0.0
-            for r in range(n):
-                task.rank = r  # worker r's shard of the global batch
-                model.zero_grad(set_to_none=True)
-                loss = task.loss(model, task.batch(step))
-                loss.backward()
-                step_loss += loss.item() / n
-                grads.append([p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params])
+            grads, step_loss = worker_grads(task, params, n, step)
             if workers == "adamw":
                 opt.step()
             else:
@@ -100,9 +91,34 @@ def _run(task_name: str, workers: str, seed: int, args, out: Path) -> None:
                 evaluate(step, losses)
                 losses = []
         emit({"kind": "done", "seconds": time.perf_counter() - t0})
+
+
+@contextlib.contextmanager
+def one_process_group():
+    """A gloo process group of this one process (the library's collectives need one), destroyed on exit."""
+    import torch.distributed as dist
+
+    init = tempfile.NamedTemporaryFile(delete=False)
+    dist.init_process_group("gloo", init_method=f"file://{init.name}", rank=0, world_size=1)
+    try:
+        yield
     finally:
         dist.destroy_process_group()
         Path(init.name).unlink(missing_ok=True)
+
+
+def worker_grads(task, params: list, n: int, step: int) -> tuple[list[list[torch.Tensor]], float]:
+    """Each of ``n`` workers' gradients (zeros for a parameter without one) on its shard of step ``step``'s global
+    batch, worker r as ``task.rank = r``, and their mean loss."""
+    grads, step_loss = [], 0.0
+    for r in range(n):
+        task.rank = r  # worker r's shard of the global batch
+        task.model.zero_grad(set_to_none=True)
+        loss = task.loss(task.model, task.batch(step))
+        loss.backward()
+        step_loss += loss.item() / n
+        grads.append([p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params])
+    return grads, step_loss
 
 
 def _global_batch(args, task: str) -> int:

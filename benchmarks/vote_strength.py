@@ -17,7 +17,6 @@ import argparse
 import json
 import math
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -26,18 +25,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "benchmarks" / "system"))
 
+from simulate_quality import one_process_group, worker_grads  # noqa: E402
 from simulate_workers import SimulatedWorkers  # noqa: E402
 
 
 def measure(workers: str, args) -> list[dict]:
-    import torch.distributed as dist
     from _tta_worker import build_task, lr_lambda
 
     nodes, local = map(int, workers.split("x"))
     n = nodes * local
-    init = tempfile.NamedTemporaryFile(delete=False)
-    dist.init_process_group("gloo", init_method=f"file://{init.name}", rank=0, world_size=1)
-    try:
+    with one_process_group():
         ns = argparse.Namespace(seed=args.seed, batch=args.global_batch // n, qa_train=2400, qa_eval=240)
         task = build_task("qa", ns, 0, n, args.work / "data")
         params = list(task.model.parameters())
@@ -45,13 +42,7 @@ def measure(workers: str, args) -> list[dict]:
         sched = torch.optim.lr_scheduler.LambdaLR(sim.optimizers[0], lr_lambda(args.schedule_steps))
         rows = []
         for step in range(1, args.steps + 1):
-            grads = []
-            for r in range(n):
-                task.rank = r
-                task.model.zero_grad(set_to_none=True)
-                task.loss(task.model, task.batch(step)).backward()
-                grads.append([p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params])
-            sim.step(grads)
+            sim.step(worker_grads(task, params, n, step)[0])
             sched.step()
             if step % args.every == 0:
                 us = torch.stack(sim.last_us)
@@ -59,9 +50,6 @@ def measure(workers: str, args) -> list[dict]:
                              "mean_abs_u": us.abs().mean().item()})  # fmt: skip
                 print(workers, rows[-1], flush=True)
         return rows
-    finally:
-        dist.destroy_process_group()
-        Path(init.name).unlink(missing_ok=True)
 
 
 def main(argv=None) -> int:
