@@ -35,6 +35,7 @@ from simulate_workers import SimulatedWorkers  # noqa: E402
 
 PRIMARY = {"qa": ("f1", True), "image": ("top1", True), "lm": ("perplexity", False)}
 GLOBAL_BATCH = {"qa": 32, "image": 32, "lm": 16}  # the protocol's: 4 ranks x 8 (qa, image) or x 4 (lm)
+WARMUP = 0.05  # the protocol's linear warm-up, as a fraction of the steps
 LR = {"birder": {"qa": 4e-3, "image": 2e-3, "lm": 1e-3}, "adamw": {"qa": 2e-3, "lm": 5e-4}}  # docs/results/tta.json
 
 
@@ -62,9 +63,9 @@ def _run(task_name: str, workers: str, seed: int, args, out: Path) -> None:
             sim = SimulatedWorkers(params, nodes, local, lr=_lr(args, task_name, workers), weight_decay=wd, seed=seed,
                                    **options)  # fmt: skip
             lead = sim.optimizers[0]
-        sched = torch.optim.lr_scheduler.LambdaLR(lead, lr_lambda(args.steps))
+        sched = torch.optim.lr_scheduler.LambdaLR(lead, lr_lambda(args.steps, _warmup(args)))
         base = {"task": task_name, "workers": workers, "n": n, "seed": seed, "steps": args.steps,
-                "global_batch": total, "lr": _lr(args, task_name, workers),
+                "global_batch": total, "lr": _lr(args, task_name, workers), "warmup": _warmup(args),
                 "options": json.loads(args.options)}  # fmt: skip
 
         def emit(rec):
@@ -129,11 +130,17 @@ def _lr(args, task: str, workers: str) -> float:
     return args.lr if args.lr is not None else LR["adamw" if workers == "adamw" else "birder"][task]
 
 
+def _warmup(args) -> float:
+    return getattr(args, "warmup", None) or WARMUP
+
+
 def _path(args, workers: str, seed: int) -> Path:
     """One run's file: task, workers, learning rate, Birder options (a tag), seed."""
     tag = "".join(f"-{k}{v}" for k, v in sorted(json.loads(args.options).items())) if workers != "adamw" else ""
     if _global_batch(args, args.task) != GLOBAL_BATCH[args.task]:
         tag += f"-gb{_global_batch(args, args.task)}"
+    if _warmup(args) != WARMUP:
+        tag += f"-wu{_warmup(args):g}"
     return args.work / f"{args.task}-{workers}-lr{_lr(args, args.task, workers):g}{tag}-seed{seed}.jsonl"
 
 
@@ -234,6 +241,7 @@ def main(argv=None) -> int:
     ap.add_argument("--global-batch", type=int, default=None,
                     help="samples per step over all workers (default: the task's, GLOBAL_BATCH; 64 allows n = 64)")
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the task's tuned one, LR)")
+    ap.add_argument("--warmup", type=float, default=None, help=f"warm-up fraction of the steps (default {WARMUP})")
     ap.add_argument("--options", default="{}", help='Birder keyword arguments as JSON, e.g. \'{"stale": "keep"}\'')
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--work", type=Path, default=ROOT / "outputs" / "simulate_quality")

@@ -257,8 +257,9 @@ def setup_method(method: str, task: Task, ddp: DDP, args, topo: Topology):
     return opt
 
 
-def lr_lambda(steps: int):
-    warm = max(1, round(0.05 * steps))
+def lr_lambda(steps: int, warmup: float = 0.05):
+    """Linear warm-up over ``warmup`` of the steps, then linear decay to 0 at ``steps``."""
+    warm = max(1, round(warmup * steps))
     return lambda s: (s + 1) / warm if s < warm else max(0.0, (steps - s) / max(1, steps - warm))
 
 
