@@ -34,9 +34,9 @@ import simulate_quality as sq  # noqa: E402
 TUNE, HELD_OUT = (0, 1, 2), (3, 4, 5, 6, 7)
 
 
-def _args(task, method, lr, options, work, steps, eval_every):
+def _args(task, method, lr, options, work, steps, eval_every, warmup=None):
     return argparse.Namespace(task=task, workers=[method], lr=lr, options=options, work=work, steps=steps,
-                              eval_every=eval_every)  # fmt: skip
+                              eval_every=eval_every, warmup=warmup)  # fmt: skip
 
 
 def _records(args, method, seed):
@@ -53,14 +53,14 @@ def summarize(evals: list[dict], key: str, higher: bool, target: float) -> dict:
     return {"final": final, "step_to_target": reached, "diverged": diverged}
 
 
-def run_method(task, method, grid, options, work, steps, eval_every) -> dict:
+def run_method(task, method, grid, options, work, steps, eval_every, warmup=None) -> dict:
     """Tune on TUNE, pick by median (diverged seeds disqualify), run HELD_OUT at the pick. Runs what is missing."""
     key, higher = sq.PRIMARY[task]
     target = sq.tta_target(task)
     seeds_cache: dict = {}
 
     def runs(lr, seeds):
-        a = _args(task, method, lr, options, work, steps, eval_every)
+        a = _args(task, method, lr, options, work, steps, eval_every, warmup)
         out = {}
         for s in seeds:
             if _records(a, method, s) is None:
@@ -103,7 +103,7 @@ def run_method(task, method, grid, options, work, steps, eval_every) -> dict:
 def _s_per_step(task: str, method: str) -> float | None:
     """Seconds per step on the emulated link of the TTA table (docs/results/tta.json): Birder hierarchical's for
     simulated workers, DDP fp32's for AdamW."""
-    row = "fp32" if method == "adamw" else "birder-h"
+    row = "fp32" if method in sq.BASELINES else "birder-h"
     methods = json.loads((ROOT / "docs" / "results" / "tta.json").read_text())["tasks"][task]["methods"]
     return methods[row]["s_per_step"][1]
 
@@ -156,9 +156,10 @@ def report(task: str, results: Path) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--task", choices=tuple(sq.PRIMARY), default="qa")
-    ap.add_argument("--method", default="2x2", help="KxL simulated Birder workers, or adamw")
+    ap.add_argument("--method", default="2x2", help="KxL simulated Birder workers, or adamw / sgdm")
     ap.add_argument("--grid", nargs="+", type=float, default=[1e-3, 2e-3, 4e-3])
     ap.add_argument("--options", default="{}", help="Birder keyword arguments as JSON")
+    ap.add_argument("--warmup", type=float, default=None, help=f"warm-up fraction (default {sq.WARMUP})")
     ap.add_argument("--label", default=None, help="the row's name in the report (default: method + options)")
     ap.add_argument("--steps", type=int, default=None, help="default: the TTA task's (docs/results/tta.json)")
     ap.add_argument("--eval-every", type=int, default=50)
@@ -174,13 +175,14 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     steps = args.steps or json.loads((ROOT / "docs" / "results" / "tta.json").read_text())["tasks"][args.task]["steps"]
     args.work.mkdir(parents=True, exist_ok=True)
-    res = run_method(args.task, args.method, args.grid, args.options, args.work, steps, args.eval_every)
+    res = run_method(args.task, args.method, args.grid, args.options, args.work, steps, args.eval_every, args.warmup)
     label = args.label or args.method + ("" if args.options == "{}" else " " + args.options)
     args.results.mkdir(parents=True, exist_ok=True)
     out = args.results / f"lr_protocol_{args.task}.json"
     store = json.loads(out.read_text()) if out.exists() else {"task": args.task, "target": sq.tta_target(args.task)}
     store.setdefault("methods", {})[label] = {"method": args.method, "options": json.loads(args.options),
-                                             "steps": steps, "grid": args.grid, **res}  # fmt: skip
+                                             "steps": steps, "warmup": sq._warmup(args),
+                                             "grid": args.grid, **res}  # fmt: skip
     store["protocol"] = f"tune on seeds {list(TUNE)} by the median final, evaluate on held-out seeds {list(HELD_OUT)}"
     out.write_text(json.dumps(store, indent=1) + "\n")
     h = res.get("held_out")

@@ -36,7 +36,9 @@ from simulate_workers import SimulatedWorkers  # noqa: E402
 PRIMARY = {"qa": ("f1", True), "image": ("top1", True), "lm": ("perplexity", False)}
 GLOBAL_BATCH = {"qa": 32, "image": 32, "lm": 16}  # the protocol's: 4 ranks x 8 (qa, image) or x 4 (lm)
 WARMUP = 0.05  # the protocol's linear warm-up, as a fraction of the steps
-LR = {"birder": {"qa": 4e-3, "image": 2e-3, "lm": 1e-3}, "adamw": {"qa": 2e-3, "lm": 5e-4}}  # docs/results/tta.json
+LR = {"birder": {"qa": 4e-3, "image": 2e-3, "lm": 1e-3}, "adamw": {"qa": 2e-3, "lm": 5e-4},
+      "sgdm": {"image": 0.1}}  # docs/results/tta.json
+BASELINES = {"adamw": "AdamW", "sgdm": "SGDM"}  # one process, the whole global batch (DDP fp32's optimizer)
 
 
 def _run(task_name: str, workers: str, seed: int, args, out: Path) -> None:
@@ -46,7 +48,7 @@ def _run(task_name: str, workers: str, seed: int, args, out: Path) -> None:
         return
     out.unlink(missing_ok=True)
     total = _global_batch(args, task_name)
-    nodes, local = (1, 1) if workers == "adamw" else map(int, workers.split("x"))
+    nodes, local = (1, 1) if workers in BASELINES else map(int, workers.split("x"))
     n = nodes * local
     if total % n:
         raise SystemExit(f"{workers}: {n} workers do not split the global batch of {total}")
@@ -54,8 +56,8 @@ def _run(task_name: str, workers: str, seed: int, args, out: Path) -> None:
         ns = argparse.Namespace(seed=seed, batch=total // n, qa_train=2400, qa_eval=240)
         task = build_task(task_name, ns, 0, n, args.work / "data")
         model, params = task.model, list(task.model.parameters())
-        if workers == "adamw":
-            opt = torch.optim.AdamW(params, lr=_lr(args, task_name, workers), weight_decay=0.01)
+        if workers in BASELINES:
+            opt = _baseline(workers, params, _lr(args, task_name, workers))
             lead = opt
         else:
             wd = 0.1 if task_name == "image" else 0.01
@@ -82,7 +84,7 @@ def _run(task_name: str, workers: str, seed: int, args, out: Path) -> None:
         losses, t0 = [], time.perf_counter()
         for step in range(1, args.steps + 1):
             grads, step_loss = worker_grads(task, params, n, step)
-            if workers == "adamw":
+            if workers in BASELINES:
                 opt.step()
             else:
                 sim.step(grads)
@@ -127,7 +129,14 @@ def _global_batch(args, task: str) -> int:
 
 
 def _lr(args, task: str, workers: str) -> float:
-    return args.lr if args.lr is not None else LR["adamw" if workers == "adamw" else "birder"][task]
+    return args.lr if args.lr is not None else LR[workers if workers in BASELINES else "birder"][task]
+
+
+def _baseline(name: str, params, lr: float) -> torch.optim.Optimizer:
+    """The TTA table's DDP fp32 optimizer: AdamW (qa, lm) or SGD with momentum 0.9 (image)."""
+    if name == "sgdm":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=5e-4)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
 
 
 def _warmup(args) -> float:
@@ -136,7 +145,7 @@ def _warmup(args) -> float:
 
 def _path(args, workers: str, seed: int) -> Path:
     """One run's file: task, workers, learning rate, Birder options (a tag), seed."""
-    tag = "".join(f"-{k}{v}" for k, v in sorted(json.loads(args.options).items())) if workers != "adamw" else ""
+    tag = "".join(f"-{k}{v}" for k, v in sorted(json.loads(args.options).items())) if workers not in BASELINES else ""
     if _global_batch(args, args.task) != GLOBAL_BATCH[args.task]:
         tag += f"-gb{_global_batch(args, args.task)}"
     if _warmup(args) != WARMUP:
@@ -169,7 +178,7 @@ def report(args) -> dict:
             to_target[seed] = next((e["step"] for e in ev if reached(e[key])), None)
         if finals:
             steps = sorted(x if x is not None else float("inf") for x in to_target.values())
-            res["runs"][workers] = {"n": 1 if workers == "adamw" else math.prod(map(int, workers.split("x"))),
+            res["runs"][workers] = {"n": 1 if workers in BASELINES else math.prod(map(int, workers.split("x"))),
                                     "final": finals, "median": statistics.median(finals.values()),
                                     "worst": (min if higher else max)(finals.values()), "step_to_target": to_target,
                                     "step_to_target_median": statistics.median(steps),
@@ -221,7 +230,7 @@ def _write_table_and_figure(res: dict, stem: Path, args) -> None:
     ]
     bands = []
     for workers, r in res["runs"].items():
-        label = "AdamW (one process)" if workers == "adamw" else f"Birder {workers}"
+        label = f"{BASELINES[workers]} (one process)" if workers in BASELINES else f"Birder {workers}"
         lines.append(
             f"| {label} | {r['n']} | {gb // r['n']} | {res['lr'][workers]:g} | {r['median']:.1f} / {r['worst']:.1f} | "
             f"{shown(r['step_to_target_median'])} / {shown(r['step_to_target_worst'])} |"
@@ -235,7 +244,8 @@ def _write_table_and_figure(res: dict, stem: Path, args) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--task", choices=tuple(PRIMARY), default="qa")
-    ap.add_argument("--workers", nargs="+", default=["2x2", "2x4", "4x8", "adamw"], help="KxL nodes x ranks, or adamw")
+    ap.add_argument("--workers", nargs="+", default=["2x2", "2x4", "4x8", "adamw"],
+                    help="KxL nodes x ranks, or adamw / sgdm")  # fmt: skip
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--global-batch", type=int, default=None,
