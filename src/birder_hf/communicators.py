@@ -209,15 +209,8 @@ class HookState(Communicator):
     It owns what every hook does per step: the set-up agreement, the staged records (:meth:`claim`, :meth:`stage`;
     ``step()`` commits them), the ranks' agreement, the loss scale and the statistics. Its subclasses own where the
     gradients come from (a :class:`DDPBuckets`; FSDP's units) and turn :meth:`take_staged` into ``finish_step``.
-
-    Non-finite gradients: the ranks agree (one tiny all-reduce: DDP's after the last bucket, :meth:`queue_agreement`,
-    which makes its direction NaN on every rank as DDP's fp32 all-reduce would; FSDP's when ``step()`` or the scaler
-    asks) whether any rank had one; then ``step()`` skips everywhere, and ``m``, ``b`` and the parameters stay as they
-    were (only ``step()`` commits what the hook staged). With ``skip_unused`` the same all-reduce says which
-    parameters no rank used (:attr:`marks`, 4 more bytes per parameter): they are not stepped.
-
-    fp16 loss scaling (``GradScaler`` must not un-scale the direction in ``.grad``): ``docs/ARCHITECTURE.md``, "The
-    contract", item 5; the next backward drops the state a skipped step staged.
+    How the ranks agree on non-finite gradients and unused parameters, and fp16 loss scaling: ``docs/ARCHITECTURE.md``
+    ("The contract", items 4 and 5, and the paragraph on ``HookState`` after it).
 
     Attributes:
         stats (`CommStats`): bytes this rank sent, all steps.
@@ -460,10 +453,8 @@ class HookState(Communicator):
     # -------------------------------------------------------------------------------------------- steps
     def amp_scaling(self) -> bool:
         """Whether ``step()`` takes ``.grad`` as it is from ``GradScaler``: yes, unless a rank's backward was
-        non-finite. Then the step is dropped here on every rank (``optimizer.step_was_skipped``) and every rank's
-        ``.grad`` holds NaN, so every rank's scaler un-scales, finds it, skips ``step()`` (accelerate and the Trainer
-        see a skipped step) and backs the scale off: the ranks' scales stay equal. Collective where the backward did
-        not agree yet (FSDP): every rank asks once per step, as ``GradScaler.step`` does."""
+        non-finite (then the step is dropped and every rank's ``.grad`` is NaN: ``docs/ARCHITECTURE.md``, "The
+        contract", item 5). Collective where the backward did not agree yet (FSDP): every rank asks once per step."""
         if self._skipping:
             return False
         verdict = self._agreed_verdict()
@@ -486,15 +477,10 @@ class HookState(Communicator):
             raise ValueError(explain(what, "keep check_finite=True"))
         scale = getattr(opt, "grad_scale", None)
         if scale is not None and self._pending and float(scale) != self.loss_scale():
-            used = self.loss_scale()
+            used, scaled = self.loss_scale(), float(scale)
             self._close_step()  # drop the step: the next backward starts clean
-            raise RuntimeError(
-                explain(
-                    f"{self.hook_name} encoded this step's gradients at loss scale {used:g}, but the GradScaler "
-                    f"stepping {type(opt).__name__} scaled the loss by {float(scale):g}",
-                    "pass that GradScaler as the hook's grad_scaler=. Nothing was applied",
-                )
-            )
+            what = f"{self.hook_name} encoded at loss scale {used:g}, but the GradScaler scaled the loss by {scaled:g}"
+            raise RuntimeError(explain(what, "pass that GradScaler as the hook's grad_scaler=. Nothing was applied"))
         if scale is None:
             what = f"GradScaler.unscale_ (clip_grad_norm_ calls it) ran on {self.hook_name}'s direction in .grad"
             fix = "Do not unscale or clip with the 1-bit hook (a step is bounded by lr already)"
@@ -780,10 +766,8 @@ class StepAllReduce(Communicator):
                         fix = "pass process_group= only on the group's ranks"
                         raise ValueError(explain("This process is not a member of process_group", fix))
                     if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-                        raise TypeError(
-                            "process_group must be a torch.distributed ProcessGroup (e.g. dist.group.WORLD), got "
-                            f"{type(process_group).__name__}."
-                        )
+                        what = f"process_group is a {type(process_group).__name__}"
+                        raise TypeError(explain(what, "pass a torch.distributed ProcessGroup (e.g. dist.group.WORLD)"))
                     layout = (1, dist.get_world_size(process_group))
                 settings = communicator_settings("StepAllReduce", optimizer, layout, **comm.as_dict())
             except Exception as exc:

@@ -14,29 +14,13 @@
     accelerator.load_state(path)   # and every rank loads its own
 
 After a restart (``torchrun --max-restarts N``), ``load_resumable_state(accelerator, folder)`` loads the newest
-checkpoint under ``folder`` that is complete on every rank (``ProjectConfiguration(automatic_checkpoint_naming=True)``:
-``project_dir/checkpoints/checkpoint_N``, the default folder; or any folder of checkpoints whose names end in their
-number), or starts fresh.
+checkpoint under ``folder`` that is complete on every rank, or starts fresh.
 
-The same call registers ``onebit_adam_hook`` for a ``OneBitAdam`` optimizer (1-bit Adam, the paper's compressed
-baseline), with the same per-rank checkpoints.
-
-Sharded models (FSDP2, ``birder_hf.fsdp``): shard the model yourself with ``fully_shard(..., mesh=mesh["shard"])`` on a
-2-D ``(replicate, shard)`` mesh, prepare only the optimizer and data loaders (accelerate refuses to wrap a sharded
-model in DDP), then ``register_birder_hook(accelerator, model, optimizer, mesh=mesh)``: FSDP reduce-scatters inside
-each node in full precision, Birder sends 1 bit across the nodes. accelerate's own FSDP plugin (GPUs only) shards on
-its ``dp_shard`` dimension for plain FSDP (accepted: nothing crosses a replicate dimension, Birder runs uncompressed
-with a warning) and on the 2-D ``(dp_replicate, dp_shard)`` mesh for HSDP, which all-reduces gradients across nodes
-in full precision before Birder sees them: refused, with this recipe as the fix.
-
-``accelerate``'s ``DistributedDataParallelKwargs(comm_hook=...)`` only takes its built-in hooks (a
-callable is ignored), hence this function. ``mixed_precision="fp16"`` works: Birder takes the loss-scaled gradients
-as they are, and an overflow on any rank skips the step everywhere (``optimizer.step_was_skipped``) and backs the
-scale off (``birder_hf.communicators.HookState``); 1-bit Adam is refused with fp16.
-
-Do not call ``accelerator.clip_grad_norm_`` with Birder: after the hook, ``.grad`` holds the direction ``d`` in
-``[-1, 1]``, and each step moves a coordinate by at most ``lr * (1 + weight_decay * |x|)`` by construction (with fp16
-it would also un-scale ``.grad``, which Birder refuses with an error).
+The same call registers ``onebit_adam_hook`` for a ``OneBitAdam`` optimizer, and the FSDP hook for a model sharded
+with ``fully_shard(..., mesh=mesh["shard"])`` (pass ``mesh=``; prepare only the optimizer and data loaders).
+``DistributedDataParallelKwargs(comm_hook=...)`` only takes accelerate's built-in hooks (a callable is ignored), hence
+this function. fp16, accelerate's FSDP plugin (HSDP refused), and why not to call ``accelerator.clip_grad_norm_``:
+``docs/SETUPS.md`` ("accelerate", "Sharded training: 1-bit HSDP").
 """
 
 from __future__ import annotations

@@ -33,21 +33,9 @@ uses are public ``Strategy`` methods:
   file that no longer matches it: ``ckpt_path="last"`` after a job died while rewriting ``last.ckpt``), refused on
   every rank before any state loads.
 
-fp16 (``"16-mixed"``) trains with loss scaling: under the hook Birder takes the scaled gradients as they are and tells
-Lightning's ``MixedPrecision`` plugin not to un-scale ``.grad`` (``_step_supports_amp_scaling``); an overflow on any
-rank skips the step everywhere and backs the scale off (``birder_hf.communicators.HookState``).
-
-Refused at setup, each with a ``ValueError``/``TypeError`` that says how to fix it: 1-bit Adam with
-``"16-mixed"`` (its step depends on the loss scale: use ``"bf16-mixed"``), ``gradient_clip_val`` (after the hook
-``.grad`` holds the direction ``d`` in ``[-1, 1]``: a step moves a coordinate by at most
-``lr * (1 + weight_decay * |x|)``), an optimizer that is not Birder/OneBitAdam, several optimizers (also under manual
-optimization), and, at construction, a second hook (``ddp_comm_hook``,
-``ddp_comm_state``, ``ddp_comm_wrapper``) or post-local SGD (``model_averaging_period``). Other strategies
-(``"ddp"``, FSDP, DeepSpeed) have no 1-bit path: with ``strategy="ddp"`` Birder trains on fp32 all-reduced
-gradients and warns once.
-
-Gradient accumulation: ``Trainer(accumulate_grad_batches=N)`` runs the first N-1 micro-batches under DDP's
-``no_sync``; the hook sees the accumulated gradient once per optimizer step.
+fp16 (``"16-mixed"``) and ``accumulate_grad_batches`` work; what is refused at setup (each with the fix), and why:
+``docs/SETUPS.md`` ("PyTorch Lightning"). Other strategies (``"ddp"``, FSDP, DeepSpeed) have no 1-bit path: with
+``strategy="ddp"`` Birder trains on fp32 all-reduced gradients and warns once.
 
 Local checkpoints only: the per-rank files are written with plain file I/O (a local or mounted directory);
 Lightning's ``.ckpt`` itself may go anywhere its ``CheckpointIO`` supports.
@@ -94,10 +82,9 @@ def birder_state_dir(checkpoint_path: str | os.PathLike) -> str:
     """
     path = os.fspath(checkpoint_path)
     if "://" in path:
+        what = f"BirderDDPStrategy writes each rank's state with local file I/O, but {path!r} is a remote URL"
         raise ValueError(
-            f"BirderDDPStrategy writes each rank's optimizer state with local file I/O, but the checkpoint path "
-            f"{path!r} is a remote URL; save checkpoints to a local or mounted directory "
-            "(ModelCheckpoint(dirpath=...))."
+            explain(what, "save checkpoints to a local or mounted directory (ModelCheckpoint(dirpath=...))")
         )
     return os.path.realpath(path) + ".birder"
 
@@ -173,11 +160,8 @@ def _one_bit_optimizer(optimizers: list, automatic_optimization: bool) -> Birder
         raise ValueError(explain(what, "put all parameters into one Birder (param groups may differ)"))
     opt = optimizers[0]
     if not isinstance(opt, _ONE_BIT):
-        raise TypeError(
-            f"BirderDDPStrategy needs configure_optimizers to return a birder_hf.Birder (or OneBitAdam), got "
-            f"{type(opt).__name__}. Return Birder(self.parameters(), lr=..., beta=0.95), or use strategy='ddp' for "
-            "other optimizers."
-        )
+        what = f"configure_optimizers must return a birder_hf.Birder (or OneBitAdam), got {type(opt).__name__}"
+        raise TypeError(explain(what, "return Birder(self.parameters(), lr=...), or use strategy='ddp'"))
     return opt
 
 
@@ -242,15 +226,11 @@ class BirderDDPStrategy(DDPStrategy):
     ):
         for name in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper"):
             if kwargs.get(name) is not None:
-                raise ValueError(
-                    f"BirderDDPStrategy registers Birder's 1-bit hook itself and DDP allows one hook per model; drop "
-                    f"{name}=... (or use DDPStrategy for another hook)."
-                )
+                what = "BirderDDPStrategy registers Birder's hook itself, and DDP allows one"
+                raise ValueError(explain(what, f"drop {name}=... (or use DDPStrategy for another hook)"))
         if kwargs.get("model_averaging_period") is not None:
-            raise ValueError(
-                "model_averaging_period asks for post-local SGD, which averages parameters instead of gradients and "
-                "cannot be combined with Birder's 1-bit hook; drop it."
-            )
+            what = "model_averaging_period asks for post-local SGD, which averages parameters, not gradients"
+            raise ValueError(explain(what, "drop it: it cannot be combined with Birder's 1-bit hook"))
         check_settings(method, inter_method, chunk_numel)
         if hierarchy_num_nodes is not None and int(hierarchy_num_nodes) < 1:
             raise ValueError(f"hierarchy_num_nodes={hierarchy_num_nodes} must be a positive number of nodes.")
@@ -281,10 +261,8 @@ class BirderDDPStrategy(DDPStrategy):
             return Topology.from_layout(self.num_nodes, self.num_processes)
         k = int(self.hierarchy_num_nodes)
         if self.world_size % k:
-            raise ValueError(
-                f"hierarchy_num_nodes={k} does not divide the world size {self.world_size} "
-                f"({self.num_nodes} nodes x {self.num_processes} devices); choose a divisor."
-            )
+            what = f"hierarchy_num_nodes={k} does not divide the world size {self.world_size}"
+            raise ValueError(explain(what, "choose a divisor"))
         return Topology.from_layout(k, self.world_size // k)
 
     def _register_hook(self, opt: Birder | OneBitAdam):
@@ -331,9 +309,8 @@ class BirderDDPStrategy(DDPStrategy):
         if write and not os.path.isfile(ckpt):
             write = False
             rank_zero_warn(
-                f"{filepath} was not on disk after rank 0 saved it (an asynchronous CheckpointIO?), so it is not "
-                "marked complete: find_resumable_lightning_checkpoint will not choose it, and the strategy will not "
-                "resume from it."
+                f"{filepath} was not on disk after rank 0 saved it (an asynchronous CheckpointIO?): it is not marked "
+                "complete, so nothing will resume from it."
             )
         mark_checkpoint_complete(
             folder,
@@ -381,10 +358,8 @@ class BirderDDPStrategy(DDPStrategy):
             dist.all_gather_object(reports, (path, problem))
         paths = {p for p, _ in reports}
         if len(paths) > 1:
-            raise RuntimeError(
-                f"The ranks would resume from different checkpoints ({', '.join(sorted(paths))}); pass every rank "
-                "the same ckpt_path (find_resumable_lightning_checkpoint on a disk that every rank sees)."
-            )
+            what = f"The ranks would resume from different checkpoints ({', '.join(sorted(paths))})"
+            raise RuntimeError(explain(what, "pass every rank the same ckpt_path (on a disk that every rank sees)"))
         bad = next(((r, p) for r, (_, p) in enumerate(reports) if p is not None), None)
         if bad is not None:
             rank, problem = bad
