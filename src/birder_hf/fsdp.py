@@ -198,13 +198,10 @@ class FSDPHookState(HookState):
         layout = unit.layout()
         expected = sum(n for _, n in layout)
         if reduce_output.numel() != expected:
-            raise RuntimeError(
-                explain(
-                    f"birder_fsdp_hook: {type(unit.module).__name__}'s reduce-scatter output has "
-                    f"{reduce_output.numel()} elements, its trainable parameters {expected}",
-                    "keep requires_grad as at register_birder_fsdp and set_reduce_scatter_unused_params(True)",
-                )
-            )
+            name, numel = type(unit.module).__name__, reduce_output.numel()
+            what = f"birder_fsdp_hook: {name}'s reduce-scatter output has {numel} elements, its parameters {expected}"
+            fix = "keep requires_grad as at register_birder_fsdp and set_reduce_scatter_unused_params(True)"
+            raise RuntimeError(explain(what, fix))
         items, offset = [], 0
         for p, taken in layout:
             group = self.claim(
@@ -261,9 +258,7 @@ def _refuse_wrappers(model) -> torch.nn.Module:
         fix = "wrap with fully_shard(module, mesh=mesh['shard']) (accelerate: fsdp_version: 2)"
         raise TypeError(explain(what, fix))
     if "DeepSpeed" in name:
-        raise TypeError(
-            explain("Birder does not run under DeepSpeed (ZeRO reduces gradients itself)", "use FSDP2 or DDP")
-        )
+        raise TypeError(explain("Birder does not run under DeepSpeed (ZeRO reduces gradients itself)", "use FSDP2"))
     return inner
 
 
@@ -285,9 +280,7 @@ def _check_model(model, optimizer: Birder, grid: list[list[int]]) -> None:
     rank = dist.get_rank()
     row = next((r for r in grid if rank in r), None)
     if row is None or sum(len(r) for r in grid) != dist.get_world_size():
-        raise ValueError(
-            f"The mesh {grid} must cover every rank of the default process group ({dist.get_world_size()}), once."
-        )
+        raise ValueError(explain(f"The mesh {grid} must cover every rank once", "build it with hsdp_mesh(num_nodes)"))
     for name, p in model.named_parameters():
         problem = _parameter_problem(p, row, optimizer) if p.requires_grad else None
         if problem is not None:
@@ -388,14 +381,9 @@ def register_birder_fsdp(
         fix = "shard it first: shard_model(model, mesh['shard'])"
         raise ValueError(explain("register_birder_fsdp found no FSDP2 module with parameters in the model", fix))
     if len(grid) == 1:
-        warnings.warn(
-            "register_birder_fsdp: the mesh has no replicate dimension, so FSDP's full-precision reduce-scatter "
-            "already spans every rank and nothing is left to send in 1 bit; Birder trains as one worker on the "
-            "averaged gradient (d = Q(u)). For 1 bit across nodes, shard on the 'shard' dimension of a 2-D "
-            "(replicate, shard) mesh.",
-            UserWarning,
-            stacklevel=2,
-        )
+        what = "register_birder_fsdp: the mesh has no replicate dimension, so nothing is left to send in 1 bit"
+        fix = "Birder trains as one worker. For 1 bit across nodes, shard on mesh['shard'] of a 2-D mesh"
+        warnings.warn(explain(what, fix), UserWarning, stacklevel=2)
     # Every rank builds the same groups in the same order: the replicas of each shard, then all ranks (agreement).
     topology = Topology.from_replicate_dim(mesh)
     everyone = dist.new_group(list(range(dist.get_world_size())))

@@ -34,7 +34,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .base import OneBitOptimizer, Update, unwrap_optimizer
+from .base import OneBitOptimizer, Update, explain, unwrap_optimizer
 from .collectives import onebit_all_reduce
 from .communicators import DDPBuckets, HookState, Staged, agree_setup, is_dense, setup_group
 from .lifecycle import then
@@ -230,9 +230,9 @@ def unwrap_ddp(model) -> torch.nn.parallel.DistributedDataParallel:
         inner = getattr(inner, "_orig_mod", None)
         if inner is None:
             break
+    what = f"The 1-bit hook needs a DistributedDataParallel model (or a compiled one), got {type(model).__name__}"
     raise TypeError(
-        f"Expected a DistributedDataParallel model (or a torch.compile-d one), got {type(model).__name__}: the 1-bit "
-        "hook needs DDP (accelerate's prepare() and the Trainer wrap the model in DDP when several processes run)."
+        explain(what, "wrap it in DDP (accelerate's prepare() and the Trainer do, with several processes)")
     )
 
 
