@@ -19,13 +19,9 @@ Resuming with another world size is allowed on purpose: rank ``r`` loads the sta
 gradient statistics; only the per-rank history changes. A missing or unreadable file for the current
 layout is an error, never a silent reset.
 
-A checkpoint is usable only if every rank's file was written, and the framework's files with them. So, once every
-rank has written everything, :func:`mark_checkpoint_complete` writes ``birder_complete.json`` last and atomically:
-the world size and the name and size of every file of the checkpoint. :func:`find_resumable_checkpoint` (what
-``--resume_from_checkpoint auto`` runs after an elastic restart) takes the newest ``checkpoint-N`` whose marker is
-there and whose files are all there with those sizes; a newer one without it (the job died while writing it) is
-named in the log and left as it is. accelerate's ``save_state`` and Lightning's ``BirderDDPStrategy`` write the same
-marker (``birder_hf.integrations``: ``load_resumable_state``, ``find_resumable_lightning_checkpoint``).
+A checkpoint is usable only if every rank's file was written, and the framework's files with them:
+:func:`mark_checkpoint_complete` writes ``birder_complete.json`` last, and :func:`find_resumable_checkpoint` (what
+``--resume_from_checkpoint auto`` runs after an elastic restart) takes the newest checkpoint it marks complete.
 """
 
 from __future__ import annotations
@@ -91,10 +87,8 @@ def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]
 def _one_bit(optimizer, where: str) -> OneBitOptimizer:
     opt = unwrap_optimizer(optimizer)
     if not isinstance(opt, OneBitOptimizer):
-        raise TypeError(
-            f"{where} takes a birder_hf Birder or OneBitAdam optimizer (or a framework's wrapper of one), got "
-            f"{type(opt).__name__}{' (a model? pass the optimizer)' if isinstance(opt, torch.nn.Module) else ''}."
-        )
+        model = " (a model? pass the optimizer)" if isinstance(opt, torch.nn.Module) else ""
+        raise TypeError(f"{where} takes a birder_hf Birder or OneBitAdam optimizer, got {type(opt).__name__}{model}.")
     return opt
 
 
@@ -196,24 +190,16 @@ def read_rank_state(
         raise FileNotFoundError(explain(what, fix))
     source = rank if saved_world == world_size else rank % saved_world
     if saved_world != world_size:
-        warnings.warn(
-            f"Resuming Birder with world size {world_size} from a checkpoint of world size {saved_world}: rank {rank} "
-            f"takes the optimizer state of saved rank {source}. Training goes on; the run is no longer bit-for-bit "
-            "the same as an uninterrupted one.",
-            UserWarning,
-            stacklevel=2,
-        )
+        message = f"Resuming Birder with world size {world_size} from a checkpoint of world size {saved_world}: rank "
+        message += f"{rank} takes the optimizer state of saved rank {source} (no longer bit for bit an unbroken run)."
+        warnings.warn(message, UserWarning, stacklevel=2)
     path = rank_state_path(checkpoint_dir, source, saved_world)
     if not os.path.exists(path):
-        raise FileNotFoundError(
-            f"Birder state {path} is missing (the checkpoint of {saved_world} ranks is incomplete)."
-        )
+        raise FileNotFoundError(f"Birder state {path} is missing (an incomplete checkpoint of {saved_world} ranks).")
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:
-        raise RuntimeError(
-            f"Birder state {path} could not be read ({type(exc).__name__}: {exc}); it is corrupt."
-        ) from exc
+        raise RuntimeError(f"Birder state {path} is corrupt: {type(exc).__name__}: {exc}") from exc
     if not isinstance(payload, dict) or payload.get("format") != _FORMAT or "optimizer" not in payload:
         raise RuntimeError(f"Birder state {path} is not a birder_hf per-rank state (format {_FORMAT}).")
     if payload["rank"] != source or payload["world_size"] != saved_world:
@@ -396,7 +382,7 @@ def numbered_checkpoints(output_dir: str, pattern: str | re.Pattern | None = Non
     return sorted(found, reverse=True)
 
 
-def _on_rank_zero(fn):
+def on_rank_zero(fn):
     # fn() on rank 0, its answer broadcast to every rank (one broadcast when torch.distributed runs several ranks)
     import torch.distributed as dist
 
@@ -418,6 +404,6 @@ def find_resumable_checkpoint(output_dir: str, *, pattern: str | re.Pattern | No
     resume from the same checkpoint. ``pattern``: which folders are checkpoints, its first group their number
     (:func:`numbered_checkpoints`; accelerate's ``load_resumable_state`` passes its own).
     """
-    return _on_rank_zero(
+    return on_rank_zero(
         lambda: _newest_complete(output_dir, [path for _, path in numbered_checkpoints(output_dir, pattern)])
     )

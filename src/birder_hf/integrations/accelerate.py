@@ -37,6 +37,7 @@ from ..checkpoint import (
     find_resumable_checkpoint,
     mark_checkpoint_complete,
     numbered_checkpoints,
+    on_rank_zero,
     read_own_rank_state,
     save_rank_state,
 )
@@ -231,22 +232,12 @@ def load_resumable_state(accelerator, checkpoints_dir: str | os.PathLike | None 
     path = find_resumable_checkpoint(folder, pattern=_NUMBERED)
     automatic = os.path.join(accelerator.project_dir or "", "checkpoints")
     if config.automatic_checkpoint_naming and os.path.abspath(folder) == os.path.abspath(automatic):
-        numbers = [n for n, _ in numbered_checkpoints(folder, _NUMBERED)]
         # rank 0's listing: every rank must name the next checkpoint alike
-        config.iteration = max(config.iteration, _rank_zero_value(max(numbers, default=-1) + 1))
+        last = on_rank_zero(lambda: max((n for n, _ in numbered_checkpoints(folder, _NUMBERED)), default=-1))
+        config.iteration = max(config.iteration, last + 1)
     if path is not None:
         accelerator.load_state(path, **load_kwargs)
     return path
-
-
-def _rank_zero_value(value):
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-    return value
 
 
 def _register_checkpoint_hooks(accelerator, optimizer: OneBitOptimizer) -> None:
