@@ -70,13 +70,8 @@ def check_really_distributed(num_processes: int) -> None:
     """
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
     if env_world > 1 and num_processes != env_world:
-        raise RuntimeError(
-            explain(
-                f"The launcher started WORLD_SIZE={env_world} processes but this one sees a world of {num_processes}: "
-                "they are not really distributed",
-                "on CPU use `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu ...` or `torchrun`",
-            )
-        )
+        what = f"WORLD_SIZE={env_world} processes were started, this one sees {num_processes}: not really distributed"
+        raise RuntimeError(explain(what, "on CPU use ACCELERATE_USE_CPU=1 accelerate launch, or torchrun"))
 
 
 def check_elastic_restart() -> None:
@@ -134,10 +129,8 @@ def register_birder_hook(accelerator, model, optimizer, *, topology: Topology | 
         handler = getattr(accelerator, "ddp_handler", None)
         builtin = getattr(handler, "comm_hook", None)
         if builtin is not None and str(getattr(builtin, "value", builtin)).lower() not in ("no", "none"):
-            raise ValueError(
-                f"DistributedDataParallelKwargs(comm_hook={builtin}) already asks for a built-in hook; DDP allows "
-                "one hook per model. Drop comm_hook from the kwargs handler to use Birder's 1-bit hook."
-            )
+            what = f"DistributedDataParallelKwargs(comm_hook={builtin}) asks for a built-in hook, and DDP allows one"
+            raise ValueError(explain(what, "drop comm_hook from the kwargs handler"))
         if not inner.loss_scaling and getattr(accelerator, "scaler", None) is not None:
             raise ValueError(
                 explain("1-bit Adam cannot train with fp16 loss scaling", "use mixed_precision='bf16' (or Birder)")
@@ -223,10 +216,8 @@ def load_resumable_state(accelerator, checkpoints_dir: str | os.PathLike | None 
     config = accelerator.project_configuration
     if checkpoints_dir is None:
         if not config.automatic_checkpoint_naming:
-            raise ValueError(
-                "load_resumable_state needs the folder that holds the checkpoints: pass checkpoints_dir=..., or use "
-                "Accelerator(project_config=ProjectConfiguration(project_dir=..., automatic_checkpoint_naming=True))."
-            )
+            what = "load_resumable_state needs the folder that holds the checkpoints"
+            raise ValueError(explain(what, "pass checkpoints_dir=..., or use automatic_checkpoint_naming=True"))
         checkpoints_dir = os.path.join(accelerator.project_dir, "checkpoints")
     folder = os.path.expanduser(os.fspath(checkpoints_dir))
     path = find_resumable_checkpoint(folder, pattern=_NUMBERED)
