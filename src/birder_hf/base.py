@@ -76,10 +76,8 @@ def shard_offset(p: torch.Tensor) -> int:
     start = min(i * chunk, rows)
     local = p.to_local()
     if local.shape[0] != min(chunk, rows - start) or tuple(local.shape[1:]) != tuple(p.shape[1:]):
-        raise ValueError(
-            f"A parameter of shape {tuple(p.shape)} has a local shard of shape {tuple(local.shape)} on rank {i} of "
-            f"{n}, not the rows torch.chunk gives (FSDP2's layout); Birder cannot key its random bits."
-        )
+        what = f"A parameter of shape {tuple(p.shape)} has a local shard of shape {tuple(local.shape)} on rank {i}"
+        raise ValueError(explain(f"{what} of {n}, not torch.chunk's rows (FSDP2's layout)", "use FSDP2's layout"))
     return start * (p.numel() // rows if rows else 0)
 
 
@@ -398,10 +396,8 @@ class OneBitOptimizer(Optimizer):
                 problem = rule.problem(settings[name])
                 if problem is not None:
                     label = "learning rate " if name == "lr" else ""
-                    raise ValueError(
-                        f"Invalid {label}{name}={settings[name]!r}{where}: {problem.format(name=name)} "
-                        f"({type(self).__name__})."
-                    )
+                    what = f"Invalid {label}{name}={settings[name]!r}{where}"
+                    raise ValueError(f"{what}: {problem.format(name=name)} ({type(self).__name__}).")
 
     def check_current_settings(self, groups: list[dict] | None = None) -> None:
         """Raise ``ValueError`` if a setting of ``groups`` (default: every param group) breaks its rule now: settings

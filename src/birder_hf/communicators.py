@@ -501,11 +501,8 @@ class HookState(Communicator):
     def _skip(self) -> None:
         self._close_step()
         self.skipped_steps += 1
-        warnings.warn(
-            f"{type(self.optimizer).__name__}: a rank had a non-finite gradient; every rank skipped the step.",
-            RuntimeWarning,
-            stacklevel=4,
-        )
+        message = f"{type(self.optimizer).__name__}: a rank had a non-finite gradient; every rank skipped the step."
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
 
     def take_staged(self) -> dict[torch.Tensor, Staged] | None:
         """What the hook staged this step (each subclass's ``finish_step`` turns it into what its optimizer applies),

@@ -42,6 +42,7 @@ from .base import (
     OneBitOptimizer,
     Update,
     all_finite,
+    explain,
     is_integer,
     is_real_number,
     local_tensor,
@@ -202,10 +203,8 @@ class Birder(OneBitOptimizer):
                 known = "its settings are lr, beta, weight_decay, quantize, amsgrad, stale, seed, foreach, maximize"
                 raise TypeError(f"Birder got an unknown setting {key}={unknown[key]!r}: {hint.get(key, known)}.")
             if differentiable is not False:
-                raise ValueError(
-                    f"Invalid differentiable={differentiable!r}: Birder does not support differentiable=True (its "
-                    "step draws random signs, which have no useful derivative); leave it False."
-                )
+                what = f"Invalid differentiable={differentiable!r}: random signs have no useful derivative"
+                raise ValueError(explain(what, "leave it False"))
             if process_group is not None and topology is not None:
                 raise ValueError("Pass process_group= or topology=, not both.")
             if seed is None:  # torch's seed, not a draw from its generator: two optimizers built alike step alike
@@ -217,10 +216,8 @@ class Birder(OneBitOptimizer):
             if distributed and not quantize:
                 raise ValueError("quantize=False sends full-precision u and is for one process only; drop it.")
             if not distributed and method is not None:
-                raise ValueError(
-                    "method= chooses the optimizer-side 1-bit all-reduce: pass process_group= or topology= with it "
-                    "(with the DDP hook, give method= to BirderHookState instead)."
-                )
+                what = "method= chooses the optimizer-side 1-bit all-reduce"
+                raise ValueError(explain(what, "pass process_group= or topology= with it (DDP hook: BirderHookState)"))
         except Exception as exc:
             if not distributed:
                 raise
@@ -253,10 +250,8 @@ class Birder(OneBitOptimizer):
             raise ValueError(f'lazy= in a param group{where} is replaced by stale= ("lazy", "fade" or "keep").')
         super()._check_group_keys(param_group, where)
         if "seed" in param_group and param_group["seed"] != self.defaults["seed"]:
-            raise ValueError(
-                f"Invalid seed={param_group['seed']!r}{where}: Birder has one seed for all its param groups "
-                f"({self.defaults['seed']!r}, the random bits are keyed by it); pass seed= to Birder, not to a group."
-            )
+            what = f"Invalid seed={param_group['seed']!r}{where}: Birder has one seed ({self.defaults['seed']!r})"
+            raise ValueError(explain(what, "pass seed= to Birder, not to a group"))
 
     # --------------------------------------------------------------------- protocol for communicators
     def init_state(self, p: torch.Tensor, group: dict) -> dict:
