@@ -285,12 +285,10 @@ def mark_checkpoint_complete(
 ) -> str | None:
     """Mark ``checkpoint_dir`` complete: call it on every rank once that rank has written all its files there.
 
-    Collective when ``torch.distributed`` runs ``world_size`` ranks: one all-gather (also the barrier that every rank
-    has finished writing) checks that every rank's Birder state is in place (each rank looks at its own file, so
-    per-node disks work too). Then the writers (``write``; default: rank 0; the Trainer passes ``should_save``) write
-    ``birder_complete.json``: the world size and the size of every file they see, to a temporary file renamed into
-    place, so the marker is whole or absent. Raises ``RuntimeError`` naming the ranks whose file is missing (and
-    writes no marker). Returns the marker's path on the writers, else ``None``.
+    Collective when ``torch.distributed`` runs ``world_size`` ranks: one all-gather checks that every rank's Birder
+    state is in place (each rank looks at its own file: per-node disks work). Then the writers (``write``; default:
+    rank 0) write ``birder_complete.json`` atomically: the world size and the size of every file they see. Raises
+    ``RuntimeError`` naming the ranks whose file is missing. Returns the marker's path on the writers, else ``None``.
 
     ``failed``: why this rank could not write its files, a message or the exception itself (it still calls this, so
     that the others do not wait for it); every other rank then raises, naming it, and this rank raises its exception

@@ -350,12 +350,8 @@ class HookState(Communicator):
 
     def close(self) -> None:
         """Release what the hook holds, now: wait for its last exchange, drop a step that was not applied, detach from
-        the optimizer and close the topology (its process groups and their threads).
-
-        Call it on every rank after the last ``optimizer.step()`` (the integrations do), before
-        ``destroy_process_group()``; the hook must not run again. Without it, the groups live until the process exits.
-        Statistics stay readable.
-        """
+        the optimizer and close the topology. Call it on every rank after the last ``optimizer.step()`` (the
+        integrations do), before ``destroy_process_group()``. Statistics stay readable."""
         if self.topology.closed:
             return
         self._close_step()
@@ -548,11 +544,8 @@ class BucketGrad(NamedTuple):
 class DDPBuckets:
     """DDP's side of a hook state (one each for :class:`birder_hf.BirderHookState` and
     :class:`birder_hf.OneBitAdamHookState`): where each gradient lies in the bucket DDP hands over, the guards, and
-    the agreement queued after the last bucket. A hook's body is :meth:`run`.
-
-    With ``skip_unused``, every parameter is watched (:class:`UsageMarks`: one Python call per parameter per
-    backward): how a rank knows which parameters it used this step, since DDP hands the hook zeros for an unused one
-    and ``zero_grad(set_to_none=False)`` leaves a zero tensor in ``.grad``.
+    the agreement queued after the last bucket. A hook's body is :meth:`run`. With ``skip_unused``, every parameter is
+    watched (:class:`UsageMarks`): DDP hands the hook zeros for an unused one.
     """
 
     __slots__ = ("state", "_layouts")
@@ -745,10 +738,8 @@ class StepAllReduce(Communicator):
         what: str = "Birder(process_group=...)",
     ) -> CommSettings:
         """Agree, with every rank, on the settings of the ``StepAllReduce`` about to be built for ``optimizer``
-        (:func:`agree_setup`: the optimizer's parameters and settings, the layout and the all-reduce settings), or on
-        ``error``, this rank's own failure, which every rank then raises. Collective over ``agree_group``, else the
-        topology's group, else ``process_group``, else the default group; call it before building the topology (its
-        groups are collectives the other ranks would wait in). Returns the checked settings, to build it with."""
+        (:func:`agree_setup`), or on ``error``, this rank's own failure, which every rank then raises. Collective over
+        :func:`setup_group`; call it before building the topology. Returns the checked settings, to build it with."""
         settings = comm = None
         if error is None:
             try:

@@ -12,18 +12,13 @@ averaged gradient: 8 bytes per parameter divided by the ranks per node) and Bird
 over the replicate group (the ranks holding the same shard on every node): 1 bit per element of the shard crosses
 the nodes per step, and nothing else does.
 
-Two communicators (``birder_hf.base``):
-
-- :class:`FSDPHookState` (the default, ``in_backward=True``): ``FSDPModule.set_all_reduce_hook`` hands it each FSDP
-  unit's reduce-scatter output during backward; it encodes ``m, b -> u`` into staged buffers and starts the 1-bit
-  all-reduce asynchronously (overlapping the rest of backward); ``optimizer.step()`` waits, agrees with every rank
-  that the step is finite, commits ``m``, ``b`` and applies ``d``. ``.grad`` keeps what FSDP put there (the node's
-  averaged gradient of this shard): the hook does not write ``d`` into the reduce output, because FSDP divides it
-  (fp16 reduce) and casts it to the parameter dtype after the hook returns, before the asynchronous result is there.
-- :class:`birder_hf.communicators.StepAllReduce` (``in_backward=False``): the same exchange inside ``step()``.
-
-Both key each element's random bits by its index in the full flattened parameter (``quantize.BitKeys`` offsets),
-and the drawing worker is the node: the bits depend on the shard layout only through which node draws them.
+Two communicators (``docs/ARCHITECTURE.md``): :class:`FSDPHookState` (``in_backward=True``, the default: FSDP's
+all-reduce hook hands it each unit's reduce-scatter output during backward) and
+:class:`birder_hf.communicators.StepAllReduce` (``in_backward=False``: the same exchange inside ``step()``). The hook
+leaves ``.grad`` as FSDP put it (the node's averaged gradient of this shard) and keeps ``d`` itself: FSDP divides and
+casts the reduce output after the hook returns, before the asynchronous result is there. Both key each element's
+random bits by its index in the full flattened parameter, so the bits depend on the shard layout only through which
+node draws them.
 
 What runs and what is refused at set-up (with the fix): ``docs/SETUPS.md`` (sharded rows and 1-bit HSDP).
 
@@ -329,10 +324,9 @@ def register_birder_fsdp(
         mesh (`DeviceMesh`): the 2-D ``(replicate, shard)`` mesh (dimension 0: the nodes; dimension 1: the ranks of a
             node), or a 1-D mesh of all ranks (FSDP without a replicate dimension: nothing to compress, see the
             module docstring).
-        method (`str`, *optional*, defaults to `"hierarchical"`): the 1-bit all-reduce across the nodes
-            (``onebit_all_reduce``); each node is one rank of it, so ``"hierarchical"`` and ``"allgather"`` give the
-            exact mean of the nodes' votes ((k-1)/8 bytes per shard element for k nodes), ``"scatter_gather"`` a
-            re-quantized ±1 (about 2/8 bytes per shard element).
+        method (`str`, *optional*, defaults to `"hierarchical"`): the 1-bit all-reduce across the nodes (one rank
+            each): ``"hierarchical"`` and ``"allgather"`` give the exact mean of the nodes' votes, ``"scatter_gather"``
+            a re-quantized ±1.
         inter_method, chunk_numel, check_finite: as for :class:`birder_hf.BirderHookState`.
         in_backward (`bool`, *optional*, defaults to `True`): run the exchange in FSDP's all-reduce hook during
             backward (overlapping it); ``False`` runs it in ``optimizer.step()`` (same result, no overlap).

@@ -130,17 +130,14 @@ class BirderHookState(HookState):
             ``"hierarchical"``.
         chunk_numel (`int`, *optional*): bound on the elements per collective (receive buffers).
         check_finite (`bool`, *optional*, defaults to `True`): skip a step on every rank when any rank
-            has a non-finite gradient (costs one tiny all-reduce and a host sync per step). The same all-reduce
-            also finds the parameters no rank computed a gradient for (``find_unused_parameters=True``): they are
-            not stepped, as with a gradient of None, also after ``zero_grad(set_to_none=False)`` left a zero
-            tensor in ``.grad`` (one Python call per parameter per backward, 4 more bytes per parameter in that
-            all-reduce). With ``check_finite=False``, use ``zero_grad(set_to_none=True)`` (the default) for that.
+            has a non-finite gradient (one tiny all-reduce and a host sync per step). The same all-reduce finds the
+            parameters no rank computed a gradient for: they are not stepped, as with a gradient of None (with
+            ``check_finite=False``, only where ``.grad`` is None: use ``zero_grad(set_to_none=True)``).
         agree_group (`ProcessGroup`, *optional*): the ranks that agree a step is finite; defaults to the
             topology's.
-        grad_scaler (`torch.amp.GradScaler`, *optional*): the scaler that scales the loss (fp16). The hook reads the
-            scale each backward used and encodes ``g / S`` (exact: S is a power of two), so ``m`` and ``b`` are those
-            of the unscaled run through every back-off and growth; ``step()`` refuses a scaled step from a scaler whose
-            scale differs from the one the hook read (without it: 1).
+        grad_scaler (`torch.amp.GradScaler`, *optional*): the scaler that scales the loss (fp16): the hook encodes
+            ``g / S`` with the scale ``S`` each backward used (exact: a power of two), so ``m`` and ``b`` are those of
+            the unscaled run (``docs/SETUPS.md``, fp16).
 
     It owns two components: ``buckets`` (:class:`birder_hf.communicators.DDPBuckets`, DDP's side) and ``staging``
     (:class:`BirderStaging`, Birder's side, which the FSDP hook's state owns too).

@@ -12,11 +12,9 @@ Deviations from the paper (its full text and code were not available to us; ``do
   ``birder_hf.quantize``, so that resume is exact and the bits do not depend on DDP's bucket layout.
 - ``quantize=False`` and ``amsgrad=True`` are opt-in extras (a single-process reference, and the
   max-variant the paper uses only in its theory).
-- ``stale`` (ours): what a coordinate does on a step where its gradient is exactly 0. In the paper's update
-  (``stale="keep"``) ``m`` and ``b`` decay alike, so ``u = m / b`` keeps its last value and a coordinate that stops
-  receiving gradient drifts by ``lr`` per step in its last direction forever. ``"fade"`` decays its ``m`` once more
-  (``u`` shrinks by ``beta`` per such step) and stops its vote once ``|u| < STALE_VOTE_MIN``; ``"lazy"`` stops its
-  vote at once (``u = 0``). ``docs/ALGORITHM.md`` has the bounds and the measurements behind the default.
+- ``stale`` (ours): what a coordinate does on a step where its gradient is exactly 0 (:class:`Birder`; the paper's
+  update, ``stale="keep"``, lets it drift by ``lr`` per step forever). ``docs/ALGORITHM.md`` has the bounds and the
+  measurements behind the default.
 - Steps with a non-finite gradient are skipped (state and parameters untouched) with a warning.
 
 The optimizer *encodes* (``m, b -> u``) and *applies* (``x <- x - lr (d + wd x)``); turning every rank's ``u``

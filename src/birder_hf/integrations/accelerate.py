@@ -77,13 +77,10 @@ def check_really_distributed(num_processes: int) -> None:
 def check_elastic_restart() -> None:
     """Raise, before the process group is set up, if torchrun restarted this worker on the store of the last attempt.
 
-    torchrun's c10d rendezvous shares its TCPStore with the workers by default (``TORCHELASTIC_USE_AGENT_STORE=True``)
-    and, in torch 2.14.1 (measured: ``tests/test_elastic.py``), keeps that store across restarts: a restarted worker
-    reads the addresses the previous attempt's ranks published and the process group's setup fails after its connect
-    timeouts, so every restart fails the same way (pytorch/pytorch#135712). With
-    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment each attempt gets a new store, and a restart
-    resumes. Call this first in a script run
-    with ``torchrun --max-restarts N`` (before ``TrainingArguments`` or ``Accelerator`` set up the process group).
+    torchrun's c10d rendezvous shares its TCPStore with the workers by default and, in torch 2.14.1
+    (``tests/test_elastic.py``), keeps it across restarts: a restarted worker's process group setup then fails every
+    time (pytorch/pytorch#135712); ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives each attempt a new store. Call this
+    first in a script run with ``torchrun --max-restarts N``, before the process group is set up.
     """
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if restart not in ("", "0") and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -205,13 +202,10 @@ def load_resumable_state(accelerator, checkpoints_dir: str | os.PathLike | None 
             ``ProjectConfiguration(automatic_checkpoint_naming=True)``: ``project_dir/checkpoints``.
         **load_kwargs: passed to ``accelerator.load_state``.
 
-    The checkpoints are the sub-folders whose names end in a number, newest (highest number) first, as accelerate's
-    own ``load_state()`` orders them; the first one whose ``birder_complete.json`` is there and whose files all match
-    it is loaded (``accelerator.load_state``: every rank takes its own Birder state). Newer ones that are not
-    complete (a job killed while saving them) are named in a warning and left alone; the choice, or "starting fresh",
-    is one log line. With automatic naming, the next ``save_state`` goes after the highest number present (accelerate
-    would otherwise write ``checkpoint_0`` again and refuse an existing folder). Collective: every rank calls it, and
-    rank 0's choice is every rank's.
+    The checkpoints are the sub-folders whose names end in a number, highest first (as accelerate orders them); the
+    first one marked complete (``birder_hf.checkpoint.checkpoint_problem``) is loaded, newer incomplete ones are named
+    in a warning. With automatic naming, the next ``save_state`` goes after the highest number present (accelerate
+    would write ``checkpoint_0`` again). Collective: rank 0's choice is every rank's.
     """
     config = accelerator.project_configuration
     if checkpoints_dir is None:

@@ -23,15 +23,12 @@ uses are public ``Strategy`` methods:
 - ``optimizer_step``: logs the communication statistics (``birder/bytes_sent``, ``birder/compression_ratio``,
   ...; ``onebit_adam/...`` for 1-bit Adam) through ``LightningModule.log``, so every Lightning logger gets them;
 - ``save_checkpoint`` / ``remove_checkpoint``: Lightning writes rank 0's optimizer state only; every rank also
-  writes its own Birder state beside the checkpoint, in ``<checkpoint>.birder/`` (``birder_state_dir``; the
-  files inside are ``birder_hf.checkpoint``'s usual ``birder/rank_00003-of-00008.pt``), and removes it with
-  the checkpoint (``ModelCheckpoint(save_top_k=...)``); once every rank has written, rank 0 writes
-  ``birder_complete.json`` into that folder, last and atomically, listing the ``.ckpt`` and every rank's file;
+  writes its own Birder state beside the checkpoint, in ``<checkpoint>.birder/`` (``birder_state_dir``), removed with
+  the checkpoint; once every rank has written, rank 0 marks it complete (``birder_complete.json``, listing the
+  ``.ckpt`` too);
 - ``load_checkpoint`` / ``load_optimizer_state_dict``: after Lightning loaded rank 0's optimizer state into
   every rank, each rank loads its own, so ``fit(ckpt_path=...)`` continues bit for bit. A checkpoint without
-  that folder is an error, never a silent reset to rank 0's state; so is one that is not complete (no marker, or a
-  file that no longer matches it: ``ckpt_path="last"`` after a job died while rewriting ``last.ckpt``), refused on
-  every rank before any state loads.
+  that folder, or not complete, is refused on every rank before any state loads (never a silent reset).
 
 fp16 (``"16-mixed"``) and ``accumulate_grad_batches`` work; what is refused at setup (each with the fix), and why:
 ``docs/SETUPS.md`` ("PyTorch Lightning"). Other strategies (``"ddp"``, FSDP, DeepSpeed) have no 1-bit path: with
@@ -100,14 +97,10 @@ def find_resumable_lightning_checkpoint(dirpath: str | os.PathLike) -> str | Non
     """The newest ``.ckpt`` in ``dirpath`` (``ModelCheckpoint(dirpath=...)``) that is complete on every rank, or
     ``None``: pass it as ``trainer.fit(model, ckpt_path=...)`` (``None`` starts fresh).
 
-    Complete: ``BirderDDPStrategy`` wrote its ``<name>.ckpt.birder/birder_complete.json`` after every rank had written
-    its Birder state and rank 0 the ``.ckpt``, and every file it lists is still there with the same size. Newest: the
-    latest written (the ``.ckpt``, a ``save_last="link"`` link, or its Birder folder), as ``ckpt_path="last"`` picks by
-    time; so ``last.ckpt`` is chosen when it is complete, and an earlier checkpoint when the job died while rewriting
-    it. Newer checkpoints that are not complete are named in a warning and left alone; the choice, or "starting
-    fresh", is one line of rank 0's log. Reads only the file system (call it before ``fit``, where Lightning has not
-    yet started its process group): on a shared disk every rank finds the same one, and the strategy refuses to
-    resume ranks that disagree.
+    Complete: its ``<name>.ckpt.birder/birder_complete.json`` is there and every file it lists has the size it lists.
+    Newest: the latest written, as ``ckpt_path="last"`` picks by time (so an earlier checkpoint when the job died
+    while rewriting ``last.ckpt``). Newer incomplete ones are named in a warning and left alone. Reads only the file
+    system (call it before ``fit``); the strategy refuses to resume ranks that disagree.
     """
     folder = os.fspath(dirpath)
     if "://" in folder:
