@@ -264,9 +264,7 @@ class HookState(Communicator):
         # both checked in _check_setup (bool('no') is True, bool(None) False); comm_settings: the hook's 1-bit
         # all-reduce settings, (method, inter_method, chunk_numel) or a CommSettings (None: 1-bit Adam's hook)
         self.check_finite, self.comm_settings = check_finite, comm_settings
-        # this rank's checks, then one exchange with the others before any other collective (agree_setup): a bad
-        # argument on one rank stops every rank, and ranks set up differently fail instead of drifting apart
-        error = settings = None
+        error = settings = None  # this rank's checks, then one exchange with the others (agree_setup, "set-up" above)
         try:
             self._check_setup(optimizer, topology)
             check_grad_scaler(grad_scaler)

@@ -3,11 +3,9 @@
 Paper: `Birder: Communication-Efficient 1-bit Adaptive Optimizer for Practical Distributed DNN
 Training` (Peng et al., NeurIPS 2023) - https://openreview.net/forum?id=Mlo2kM11ZB
 
-The hook is Birder's communicator under DDP (``birder_hf.base``): for every bucket DDP hands over, it encodes
-``m``, ``b`` and ``u = m / b`` of the bucket's parameters (found through ``bucket.parameters()``, so DDP's
-bucket rebuild after the first iteration cannot scramble them), starts ``onebit_all_reduce`` asynchronously
-(overlapping the rest of backward) and returns a Future of the direction ``d``, which DDP writes into
-``.grad``. ``Birder.step()`` then applies ``x <- x - lr * (d + wd * x)``.
+For every bucket DDP hands over, the hook encodes ``u = m / b`` of the bucket's parameters (found through
+``bucket.parameters()``, so DDP's bucket rebuild cannot scramble them), starts ``onebit_all_reduce`` asynchronously
+and returns a Future of the direction ``d``, which DDP writes into ``.grad``; ``Birder.step()`` applies it.
 
 Non-finite gradients: the new ``m`` and ``b`` are written to second buffers and committed in
 ``optimizer.step()`` only after all ranks agreed (one tiny all-reduce of a flag per step) that every

@@ -410,12 +410,10 @@ class OneBitAdamHookState(HookState):
 def onebit_adam_hook(state: OneBitAdamHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook of :class:`OneBitAdam` (see its docstring for the math).
 
-    Warm-up (``step < freeze_step``): the full-precision average of the bucket, as DDP's
-    ``allreduce_hook``. Afterwards, per parameter: ``x = beta1 m + (1 - beta1) g_local + e_worker`` is
-    compressed into ``n`` signed, scaled shards; an all-to-all sends shard ``s`` to rank ``s``, which
-    averages the ``n`` copies, adds its server error and re-compresses; an all-gather shares the results.
-    The Future holds the synchronized momentum ``m_bar`` (identical on every rank; DDP writes it into
-    ``.grad``); ``optimizer.step()`` commits ``m = m_bar`` and the new error buffers, then updates.
+    Warm-up (``step < freeze_step``): the full-precision average of the bucket, as DDP's ``allreduce_hook``.
+    Afterwards the two-stage exchange of :class:`OneBitAdam`'s math: an all-to-all of each parameter's compressed
+    shards, each owner's re-compressed mean, an all-gather. The Future holds the synchronized momentum ``m_bar``
+    (DDP writes it into ``.grad``); ``optimizer.step()`` commits ``m = m_bar`` and the error buffers, then updates.
 
     One all-to-all and one all-gather of ``(c/8 + 4k)`` bytes per peer per bucket (``c`` the elements
     of one shard of the bucket's ``k`` parameters, padded to whole bytes).

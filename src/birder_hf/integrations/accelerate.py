@@ -165,9 +165,8 @@ def report_skipped_step(optimizer, skipped: bool) -> None:
     """Tell accelerate that ``optimizer``'s last step was skipped (``Accelerator.optimizer_step_was_skipped``, which
     the Trainer and ``AcceleratedScheduler`` read to hold the learning-rate schedule back).
 
-    accelerate only knows the steps a ``GradScaler`` skipped (``AcceleratedOptimizer.step_was_skipped``); a step Birder
-    skipped itself (a rank had a non-finite gradient, without a scaler) is set here on the same flag. With a scaler,
-    accelerate's own answer stands unless Birder skipped. Call it after ``optimizer.step()``.
+    accelerate only knows the steps a ``GradScaler`` skipped; a step Birder skipped itself is set here on the same
+    flag. Call it after ``optimizer.step()``.
     """
     if not hasattr(optimizer, "step_was_skipped") or not hasattr(optimizer, "_is_overflow"):
         return  # not accelerate's AcceleratedOptimizer
