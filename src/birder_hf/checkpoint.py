@@ -396,11 +396,9 @@ def on_rank_zero(fn):
 def find_resumable_checkpoint(output_dir: str, *, pattern: str | re.Pattern | None = None) -> str | None:
     """The newest ``output_dir/checkpoint-N`` that is complete on every rank (:func:`checkpoint_problem`), or ``None``.
 
-    What ``--resume_from_checkpoint auto`` resolves to (``BirderTrainer.train``). Newer folders that are not complete
-    are named in the log (warning) and left alone; the choice, or "starting fresh", is one log line. Collective when
-    ``torch.distributed`` is initialized: rank 0 looks and every rank gets its answer (one broadcast), so all ranks
-    resume from the same checkpoint. ``pattern``: which folders are checkpoints, its first group their number
-    (:func:`numbered_checkpoints`; accelerate's ``load_resumable_state`` passes its own).
+    What ``--resume_from_checkpoint auto`` resolves to. Newer incomplete folders are named in a warning and left
+    alone. Collective when ``torch.distributed`` is initialized: rank 0's answer is every rank's (one broadcast).
+    ``pattern``: which folders are checkpoints, its first group their number (:func:`numbered_checkpoints`).
     """
     return on_rank_zero(
         lambda: _newest_complete(output_dir, [path for _, path in numbered_checkpoints(output_dir, pattern)])

@@ -137,9 +137,7 @@ class UsageMarks:
     autograd accumulates into (the parameter itself; under FSDP2 its unsharded parameter) marks the parameter.
 
     A parameter that is not watched counts as used. The marks ride on a step's agreement all-reduce, so that a
-    parameter no rank used is not stepped, as with a gradient of None, also where the framework hands over zeros for
-    it (DDP's buckets; FSDP2 with ``set_reduce_scatter_unused_params(True)``) or ``zero_grad(set_to_none=False)`` left
-    a zero tensor in ``.grad``.
+    parameter no rank used is not stepped, also where the framework hands over zeros for it (DDP's buckets; FSDP2).
     """
 
     __slots__ = ("used", "watched", "handles")
@@ -597,17 +595,12 @@ class DDPBuckets:
     def _grad(self, bucket_index: int, buffer: torch.Tensor, p: torch.Tensor, group: dict, offset: int) -> BucketGrad:
         """Where ``p``'s gradient lies in the bucket, and where DDP reads a result the hook writes into the bucket.
 
-        DDP fills a dense parameter's segment in the memory order the parameter had when DDP built its buckets (NHWC
-        for a channels_last conv weight; ``Reducer::initialize_bucket_views``), every other one C-contiguously, while
-        ``GradBucket.gradients()`` views every segment C-contiguously. It reads a result back through views with the
-        parameter's current strides (``populate_bucket_views_out``; a new result tensor always, the bucket itself
-        unless ``gradient_as_bucket_view=True``, where ``.grad`` is the fill view). The two orders differ only for a
-        model converted to channels_last after DDP wrapped it, until DDP rebuilds its buckets (never, with
-        ``find_unused_parameters=True``); DDP's own all-reduce then scrambles such gradients. So for a parameter whose
-        memory order is not C-contiguous, the fill order is read off ``p.grad`` the first time the parameter is seen
-        at this place: it is DDP's fill view under ``gradient_as_bucket_view=True``, and otherwise equal, element for
-        element, to one of the two readings of the bucket (a gradient that reads the same both ways decides nothing
-        and is asked again next step).
+        DDP fills a dense parameter's segment in the memory order the parameter had when DDP built its buckets
+        (``Reducer::initialize_bucket_views``) and reads the result back with its current strides
+        (``populate_bucket_views_out``); the two differ for a model converted to channels_last after wrapping
+        (``docs/SETUPS.md``, channels_last). For a parameter that is not C-contiguous, the fill order is read off
+        ``p.grad`` the first time it is seen here: DDP's fill view under ``gradient_as_bucket_view=True``, otherwise
+        equal to one of the two readings of the bucket (a gradient that reads the same both ways is asked again).
         """
         plain = buffer[offset : offset + p.numel()].view(p.shape)
         if p.is_contiguous() or not is_dense(p):
@@ -653,11 +646,9 @@ def is_dense(t: torch.Tensor) -> bool:
 class StepAllReduce(Communicator):
     """Birder's optimizer-side 1-bit all-reduce: ``step()`` encodes, all-reduces ``u`` and applies ``d``.
 
-    For training loops without DDP (each rank computes its own gradient) and for sharded parameters. Every rank
-    takes part in the same collectives with the same sizes, whatever gradients it has: one small all-reduce first
-    agrees on which parameters have a gradient on any rank (a rank without one contributes ``g = 0``) and whether
-    any rank's gradient is non-finite (then every rank skips the step); then one ``onebit_all_reduce`` of the
-    concatenated ``u`` of those parameters.
+    For training loops without DDP and for sharded parameters. Every rank takes part in the same collectives: one
+    small all-reduce agrees on the parameters with a gradient on any rank (a rank without one contributes ``g = 0``)
+    and on non-finite ones; then one ``onebit_all_reduce`` of the concatenated ``u`` of those parameters.
 
     Args:
         settings (`CommSettings`): the ``onebit_all_reduce`` settings (what :meth:`agree_on_setup` returns).

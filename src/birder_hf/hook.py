@@ -246,9 +246,8 @@ def attach_ddp_hook(
     ``onebit_adam_hook`` for a ``OneBitAdam`` (1-bit Adam has one exchange: ``method``, ``inter_method`` and
     ``chunk_numel`` apply to Birder only; they are validated either way). Returns the hook state.
 
-    ``model`` may be ``torch.compile``-d; ``optimizer`` may be wrapped (accelerate, Lightning). If DDP refuses
-    the hook (one is registered already), the optimizer is left as it was. With fp16 loss scaling pass the
-    ``GradScaler`` as ``grad_scaler`` (Birder only; see :class:`BirderHookState`).
+    ``model`` may be ``torch.compile``-d; ``optimizer`` may be wrapped. If DDP refuses the hook, the optimizer is left
+    as it was. With fp16 loss scaling pass the ``GradScaler`` as ``grad_scaler`` (see :class:`BirderHookState`).
     """
     try:  # this rank's checks; a failure stops every rank together (agree_setup), as the hook states' own checks do
         settings = check_settings(method, inter_method, chunk_numel)

@@ -252,13 +252,10 @@ class Topology:
     def from_replicate_dim(cls, mesh) -> Topology:
         """This rank and its replicas across the nodes, each its own node: ``k`` nodes x 1 rank.
 
-        ``mesh`` is the 2-D ``(replicate, shard)`` DeviceMesh of HSDP (dimension 0 spans the ``k`` nodes,
-        dimension 1 the ranks of a node; ``init_device_mesh(device, (k, L), mesh_dim_names=("replicate",
-        "shard"))``). The topology holds the ``k`` ranks with this rank's local index, one per node, which hold the
-        same shard of every FSDP parameter: the group Birder's 1-bit all-reduce runs on in sharded training
-        (``birder_hf.fsdp``). Every byte it sends counts as inter-node. A 1-D mesh of all ranks is one node
-        (``k = 1``: this rank alone). Collective: every rank calls it (each builds its own copy of the groups, as
-        :meth:`from_device_mesh` does).
+        ``mesh`` is the 2-D ``(replicate, shard)`` DeviceMesh of HSDP (dimension 0 spans the ``k`` nodes). The
+        topology holds the ``k`` ranks that hold this rank's shard of every FSDP parameter, one per node: the group of
+        Birder's 1-bit all-reduce in sharded training (``birder_hf.fsdp``); every byte counts as inter-node. A 1-D
+        mesh of all ranks is one node (``k = 1``). Collective: every rank calls it.
         """
         _require_initialized("Topology.from_replicate_dim")
         if getattr(mesh, "ndim", None) == 1 and hasattr(mesh, "mesh"):

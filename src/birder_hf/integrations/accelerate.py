@@ -107,12 +107,10 @@ def register_birder_hook(accelerator, model, optimizer, *, topology: Topology | 
             ``accelerator.scaler``, the fp16 loss scaler, whose scale the hook divides out).
 
     Returns:
-        The hook state (its ``stats`` hold the bytes sent), or ``None`` in a single process, where
-        there is no communication to compress.
+        The hook state (its ``stats`` hold the bytes sent), or ``None`` in a single process.
 
-    Also registers ``save_state``/``load_state`` hooks that write and read every rank's own optimizer
-    state (``birder_hf.checkpoint``), and makes this accelerator's ``save_state`` mark each checkpoint complete
-    (``birder_complete.json``) once every rank has written all its files, for :func:`load_resumable_state`.
+    Also makes ``save_state``/``load_state`` write and read every rank's own optimizer state, and ``save_state`` mark
+    each checkpoint complete once every rank has written it (for :func:`load_resumable_state`).
     """
     inner = unwrap_optimizer(optimizer)
     error = None
