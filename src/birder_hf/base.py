@@ -532,11 +532,10 @@ class OneBitOptimizer(Optimizer):
             record = saved.get("shard")
             record = None if record is None else tuple(int(v) for v in record)
             if (is_sharded(p) or record is not None) and record != shard_record(p):
-                what = f"Parameter {index}'s state (shape {tuple(p.shape)}) is for {_describe_shard(record)}, this "
-                what += f"rank holds {_describe_shard(shard_record(p))}"
-                raise ValueError(
-                    explain(what, "resume on the same mesh shape, wrapping and rank order. Nothing was loaded")
-                )
+                what = f"{type(self).__name__}.load_state_dict: parameter {index}'s state (shape {tuple(p.shape)}) is "
+                what += f"for {_describe_shard(record)}, this rank holds {_describe_shard(shard_record(p))}"
+                fix = "resume on the same mesh shape, wrapping and rank order. Nothing was loaded"
+                raise ValueError(explain(what, fix))
 
 
 def _describe_shard(record) -> str:

@@ -71,7 +71,7 @@ def check_really_distributed(num_processes: int) -> None:
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
     if env_world > 1 and num_processes != env_world:
         what = f"WORLD_SIZE={env_world} processes were started, this one sees {num_processes}: not really distributed"
-        raise RuntimeError(explain(what, "on CPU use ACCELERATE_USE_CPU=1 accelerate launch, or torchrun"))
+        raise RuntimeError(explain(what, "on CPU use ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu, or torchrun"))
 
 
 def check_elastic_restart() -> None:
