@@ -221,7 +221,8 @@ class Topology:
         dist.all_gather_object(table, (dist.get_rank(), values, errors))
         problem = _check_env_table(table, world)
         if problem:
-            fix = "export LOCAL_WORLD_SIZE, GROUP_RANK and LOCAL_RANK as torchrun does, or use Topology.from_layout"
+            fix = "torchrun and accelerate set LOCAL_WORLD_SIZE, GROUP_RANK and LOCAL_RANK: with another launcher "
+            fix += "export them, or use Topology.from_layout(num_nodes, local_world_size)"
             raise ValueError(explain(f"Topology.from_env: {problem}", fix))
         lws = table[0][1]["LOCAL_WORLD_SIZE"]
         return cls._from_grid([[g * lws + j for j in range(lws)] for g in range(world // lws)])
