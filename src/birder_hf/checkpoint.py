@@ -207,6 +207,18 @@ def read_rank_state(
     return payload["optimizer"]
 
 
+def gather_reports(report, world_size: int) -> list:
+    """Every rank's ``report`` in rank order (one ``all_gather_object``), so that all ranks judge the same table and
+    raise together; ``[report]`` unless ``torch.distributed`` runs ``world_size`` > 1 ranks."""
+    import torch.distributed as dist
+
+    if world_size > 1 and dist.is_available() and dist.is_initialized() and dist.get_world_size() == world_size:
+        table: list = [None] * world_size
+        dist.all_gather_object(table, report)
+        return table
+    return [report]
+
+
 def read_own_rank_state(optimizer, checkpoint_dir: str, *, rank: int | None = None, world_size: int | None = None):
     """:func:`read_rank_state`, checked against ``optimizer`` (what its ``load_state_dict`` would refuse), on every
     rank together: if any rank's file is missing, unreadable or does not fit, every rank raises that rank's error
@@ -220,17 +232,12 @@ def read_own_rank_state(optimizer, checkpoint_dir: str, *, rank: int | None = No
         opt.check_state_dict(state)
     except Exception as exc:  # reported to every rank below
         failure = exc
-    import torch.distributed as dist
-
-    if world_size > 1 and dist.is_available() and dist.is_initialized() and dist.get_world_size() == world_size:
-        table: list = [None] * world_size
-        report = None if failure is None else (type(failure).__name__, str(failure))
-        dist.all_gather_object(table, report)
-        first = next(((r, row) for r, row in enumerate(table) if row is not None), None)
-        if first is not None and failure is None:
-            r, (kind, message) = first
-            error = {"FileNotFoundError": FileNotFoundError, "ValueError": ValueError, "TypeError": TypeError}
-            raise error.get(kind, RuntimeError)(f"rank {r} of {world_size} could not load its Birder state: {message}")
+    report = None if failure is None else (type(failure).__name__, str(failure))
+    first = next(((r, row) for r, row in enumerate(gather_reports(report, world_size)) if row is not None), None)
+    if first is not None and failure is None:
+        r, (kind, message) = first
+        error = {"FileNotFoundError": FileNotFoundError, "ValueError": ValueError, "TypeError": TypeError}
+        raise error.get(kind, RuntimeError)(f"rank {r} of {world_size} could not load its Birder state: {message}")
     if failure is not None:
         raise failure
     return state
@@ -301,13 +308,7 @@ def mark_checkpoint_complete(
     if failed is not None:
         why = f"{type(failed).__name__}: {failed}" if isinstance(failed, BaseException) else failed
         mine = f"rank {rank} failed to write its files ({why})"
-    reports = [mine]
-    import torch.distributed as dist
-
-    if world_size > 1 and dist.is_available() and dist.is_initialized() and dist.get_world_size() == world_size:
-        reports = [None] * world_size
-        dist.all_gather_object(reports, mine)
-    missing = [r for r in reports if r is not None]
+    missing = [r for r in gather_reports(mine, world_size) if r is not None]
     if missing:
         if isinstance(failed, BaseException):
             raise failed

@@ -49,6 +49,7 @@ from ..checkpoint import (
     MARKER,
     checkpoint_problem,
     clear_completion_marker,
+    gather_reports,
     mark_checkpoint_complete,
     read_own_rank_state,
     save_rank_state,
@@ -343,12 +344,7 @@ class BirderDDPStrategy(DDPStrategy):
         problem = None
         if os.path.isdir(birder_state_dir(path)):
             problem = _lightning_checkpoint_problem(path)
-        import torch.distributed as dist
-
-        reports = [(path, problem)]
-        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
-            reports = [None] * dist.get_world_size()
-            dist.all_gather_object(reports, (path, problem))
+        reports = gather_reports((path, problem), self.world_size)
         paths = {p for p, _ in reports}
         if len(paths) > 1:
             what = f"The ranks would resume from different checkpoints ({', '.join(sorted(paths))})"
