@@ -160,22 +160,17 @@ def _one_bit_optimizer(optimizers: list, automatic_optimization: bool) -> Birder
 
 
 def _comm_metrics(state) -> dict[str, float]:
-    if isinstance(state, BirderHookState):
-        if not state.steps_communicated:
-            return {}
-        prefix, extra = "birder/", {"birder/skipped_steps": state.skipped_steps}
-    else:
-        if not state.warmup_steps + state.compressed_steps:
-            return {}
-        prefix, extra = "onebit_adam/", {"onebit_adam/compressed_steps": state.compressed_steps}
-    s = state.stats
+    if not state.steps_communicated:  # 1-bit Adam: its warm-up and compressed steps together
+        return {}
+    prefix, s = state.optimizer.metrics_prefix, state.stats
+    extra = "skipped_steps" if isinstance(state, BirderHookState) else "compressed_steps"
     out = {
         prefix + "bytes_sent": s.total_bytes,
         prefix + "intra_node_bytes": s.intra_node_bytes,
         prefix + "inter_node_bytes": s.inter_node_bytes,
         prefix + "fp32_allreduce_bytes": s.fp32_allreduce_bytes,
         prefix + "compression_ratio": s.compression_ratio,
-        **extra,
+        prefix + extra: getattr(state, extra),
     }
     return {k: float(v) for k, v in out.items()}
 
