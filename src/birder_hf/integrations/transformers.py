@@ -112,10 +112,7 @@ class BirderArguments:
     amsgrad: bool = field(default=False, metadata={"help": "Use max_t b_t (the theory's variant)."})
     stale: str = field(
         default=DEFAULT_STALE,
-        metadata={
-            "help": "A coordinate whose gradient is exactly 0 this step: fade (its vote fades by beta per such step "
-            "and stops: bounded drift) | lazy (no vote) | keep (the paper's literal update: it keeps moving)."
-        },
+        metadata={"help": "A 0 gradient: fade (vote decays by beta: bounded drift) | lazy (no vote) | keep (paper)."},
     )
     lazy: bool | None = field(default=None, metadata={"help": "Deprecated: --stale lazy (true) or keep (false)."})
     quantize: bool = field(
@@ -123,17 +120,11 @@ class BirderArguments:
     )
     num_nodes: int | None = field(
         default=None,
-        metadata={
-            "help": "Override the launcher's node layout (LOCAL_WORLD_SIZE): split the ranks into this many nodes, "
-            "e.g. --num_nodes 2 with 4 processes on one machine simulates 2 nodes x 2 for the hierarchical method."
-        },
+        metadata={"help": "Nodes to split the ranks into (overrides LOCAL_WORLD_SIZE; simulates nodes on one host)."},
     )
     sharding: str = field(
         default="none",
-        metadata={
-            "help": "none (DDP: every rank holds the whole model) | hsdp (FSDP2 inside each node, 1 bit across the "
-            "nodes; nodes from --num_nodes or the launcher's LOCAL_WORLD_SIZE)."
-        },
+        metadata={"help": "none (DDP: each rank holds the whole model) | hsdp (FSDP2 in each node, 1 bit across)."},
     )
     comm_method: str | None = field(default=None, metadata={"help": "Deprecated name of --method."})
 
