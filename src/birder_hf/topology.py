@@ -113,10 +113,8 @@ class Topology:
         for name, size in (("rank", "world_size"), ("local_rank", "local_world_size"), ("node_rank", "num_nodes")):
             value, bound = getattr(self, name), getattr(self, size)
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < bound:
-                raise ValueError(
-                    f"Topology: {name}={value!r} is not in [0, {size}={bound}); build topologies with "
-                    "Topology.from_env(), Topology.flat() or Topology.from_layout(num_nodes, local_world_size)."
-                )
+                what = f"Topology: {name}={value!r} is not in [0, {size}={bound})"
+                raise ValueError(explain(what, "build it with Topology.from_env(), flat() or from_layout()"))
         if self.local_world_size * self.num_nodes != self.world_size:
             raise ValueError(f"{self.num_nodes} nodes x {self.local_world_size} ranks != world size {self.world_size}")
         object.__setattr__(self, "intra_ranks", tuple(self.intra_ranks))

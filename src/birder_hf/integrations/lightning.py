@@ -147,11 +147,9 @@ def _check_precision(precision: str, opt) -> None:
 def _one_bit_optimizer(optimizers: list, automatic_optimization: bool) -> Birder | OneBitAdam:
     if len(optimizers) != 1:
         mode = "automatic" if automatic_optimization else "manual"
-        what = (
-            "BirderDDPStrategy needs exactly one Birder or OneBitAdam (DDP takes one hook), but "
-            f"configure_optimizers returned {len(optimizers)} ({mode} optimization)"
-        )
-        raise ValueError(explain(what, "put all parameters into one Birder (param groups may differ)"))
+        what = f"BirderDDPStrategy: configure_optimizers returned {len(optimizers)} ({mode} optimization)"
+        fix = "put all parameters into one Birder or OneBitAdam (param groups may differ): DDP takes one hook"
+        raise ValueError(explain(what, fix))
     opt = optimizers[0]
     if not isinstance(opt, _ONE_BIT):
         what = f"configure_optimizers must return a birder_hf.Birder (or OneBitAdam), got {type(opt).__name__}"

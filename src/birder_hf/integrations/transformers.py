@@ -247,8 +247,7 @@ class BirderTrainerMixin(ShardedTrainerMixin):
         _check_supported_setup(self.args, birder_args, self)
         if self.args.max_grad_norm and self.args.max_grad_norm > 0:
             logger.warning(
-                "Birder: max_grad_norm=%s set to 0: after the 1-bit hook .grad holds the direction d, whose step is "
-                "bounded by lr already; clipping it is meaningless.",
+                "Birder: max_grad_norm=%s set to 0: .grad holds the 1-bit direction d, whose step lr bounds already.",
                 self.args.max_grad_norm,
             )
             self.args.max_grad_norm = 0.0
