@@ -76,10 +76,8 @@ def shard_offset(p: torch.Tensor) -> int:
     start = min(i * chunk, rows)
     local = p.to_local()
     if local.shape[0] != min(chunk, rows - start) or tuple(local.shape[1:]) != tuple(p.shape[1:]):
-        raise ValueError(
-            f"A parameter of shape {tuple(p.shape)} has a local shard of shape {tuple(local.shape)} on rank {i} of "
-            f"{n}, not the rows torch.chunk gives (FSDP2's layout); Birder cannot key its random bits."
-        )
+        what = f"A parameter of shape {tuple(p.shape)} has a local shard of shape {tuple(local.shape)} on rank {i}"
+        raise ValueError(explain(f"{what} of {n}, not torch.chunk's rows (FSDP2's layout)", "use FSDP2's layout"))
     return start * (p.numel() // rows if rows else 0)
 
 
@@ -225,12 +223,9 @@ class OneBitOptimizer(Optimizer):
 
     def attach_communicator(self, communicator: Communicator) -> None:
         if self._communicator is not None:
+            what = f"This {type(self).__name__} already has a communicator ({type(self._communicator).__name__})"
             raise ValueError(
-                explain(
-                    f"This {type(self).__name__} optimizer already has a communicator "
-                    f"({type(self._communicator).__name__})",
-                    "register one hook per model and optimizer, and no process_group=/topology= with it",
-                )
+                explain(what, "register one hook per model and optimizer, and no process_group=/topology=")
             )
         self._communicator = communicator
 
@@ -246,29 +241,19 @@ class OneBitOptimizer(Optimizer):
 
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             _warned_without_communicator.add(name)
-            warnings.warn(
-                f"{name} is running in a distributed job without its communication hook, so DDP averages gradients "
-                "in full precision (32 bits per value) and each rank encodes on its own. Register the 1-bit hook: "
-                "birder_hf.hook.attach_ddp_hook(model, optimizer), birder_hf.integrations.accelerate."
-                "register_birder_hook, or BirderTrainer for the HF Trainer (FSDP2-sharded models: "
-                "birder_hf.fsdp.register_birder_fsdp).",
-                UserWarning,
-                stacklevel=4,
+            what = f"{name} runs in a distributed job without its communication hook: DDP averages 32-bit gradients"
+            fix = (
+                "register the 1-bit hook (birder_hf.hook.attach_ddp_hook; accelerate: register_birder_hook; Trainer: "
             )
+            fix += "BirderTrainer; FSDP2: birder_hf.fsdp.register_birder_fsdp)"
+            warnings.warn(explain(what, fix), UserWarning, stacklevel=4)
 
     # ------------------------------------------------------------------------------------------- step
     @property
     def _step_supports_amp_scaling(self) -> bool:
         """``torch.amp.GradScaler``'s opt-out: ``True`` makes ``scaler.step`` leave ``.grad`` as it is and call
-        ``step()`` with ``grad_scale``/``found_inf`` attributes set, instead of un-scaling ``.grad`` and skipping
-        ``step()`` on an overflow.
-
-        One process: ``False``, the scaler's usual un-scaling. Under the DDP hook ``.grad`` holds the direction d,
-        which must not be un-scaled (Birder's ``u = m / b`` does not depend on the loss scale, so the hook encodes the
-        scaled gradients as they are): ``True``, except after a non-finite backward, whose NaN direction the scaler
-        then finds (it skips ``step()`` and backs the scale off). With ``process_group=``/``topology=``: ``True``,
-        every rank must call ``step()``, whose all-reduce agrees on skipping.
-        """
+        ``step()`` with ``grad_scale``/``found_inf`` set. The communicator answers (``docs/ARCHITECTURE.md``, "The
+        contract", item 5); one process: ``False``, the scaler's usual un-scaling."""
         return self._communicator is not None and self._communicator.amp_scaling()
 
     @torch.no_grad()
@@ -371,13 +356,9 @@ class OneBitOptimizer(Optimizer):
                 continue
             m, x = st.get("exp_avg"), local_tensor(p)
             if m is not None and (m.shape != x.shape or m.device != x.device):
-                raise RuntimeError(
-                    explain(
-                        f"A parameter of shape {tuple(p.shape)} on {p.device} has {type(self).__name__} state of "
-                        f"shape {tuple(m.shape)} on {m.device}",
-                        "move or resize the model before creating the optimizer (or before load_state_dict)",
-                    )
-                )
+                what = f"A parameter of shape {tuple(p.shape)} on {p.device} has state of shape {tuple(m.shape)}"
+                fix = "move or resize the model before creating the optimizer (or loading its state)"
+                raise RuntimeError(explain(f"{what} on {m.device}", fix))
 
     # ------------------------------------------------------------------------------------ state dicts
     def stage_rank_state(self, state_dict: dict) -> None:
@@ -415,10 +396,8 @@ class OneBitOptimizer(Optimizer):
                 problem = rule.problem(settings[name])
                 if problem is not None:
                     label = "learning rate " if name == "lr" else ""
-                    raise ValueError(
-                        f"Invalid {label}{name}={settings[name]!r}{where}: {problem.format(name=name)} "
-                        f"({type(self).__name__})."
-                    )
+                    what = f"Invalid {label}{name}={settings[name]!r}{where}"
+                    raise ValueError(f"{what}: {problem.format(name=name)} ({type(self).__name__}).")
 
     def check_current_settings(self, groups: list[dict] | None = None) -> None:
         """Raise ``ValueError`` if a setting of ``groups`` (default: every param group) breaks its rule now: settings
@@ -456,16 +435,9 @@ class OneBitOptimizer(Optimizer):
         name = type(self).__name__
         for i, p in enumerate(params):
             if isinstance(p, torch.Tensor) and not p.is_floating_point():
-                fix = (
-                    "optimize it through a real view (torch.view_as_real)"
-                    if p.is_complex()
-                    else "leave integer tensors (buffers, counters) out of the optimizer: pass model.parameters(), "
-                    "not model.state_dict().values()"
-                )
-                raise TypeError(
-                    f"{name} optimizes real floating-point parameters; parameter {i}{where} is {p.dtype} with shape "
-                    f"{tuple(p.shape)}: {fix}."
-                )
+                what = f"{name} optimizes real floating-point parameters; parameter {i}{where} is {p.dtype}"
+                fix = "pass model.parameters(), not model.state_dict().values()"
+                raise TypeError(explain(what, "optimize a real view (torch.view_as_real)" if p.is_complex() else fix))
         seen: set[int] = set()
         for i, p in enumerate(params):
             if id(p) in seen:
@@ -497,42 +469,29 @@ class OneBitOptimizer(Optimizer):
             or not isinstance(state_dict.get("state"), dict)
             or not isinstance(state_dict.get("param_groups"), list)
         ):
+            keys = f" with keys {sorted(map(str, state_dict))}" if isinstance(state_dict, dict) else ""
+            what = f"{name}.load_state_dict got {type(state_dict).__name__}{keys}"
             raise TypeError(
-                f"{name}.load_state_dict expects what {name}.state_dict() returns (a dict with 'state' and "
-                f"'param_groups'), got {type(state_dict).__name__}"
-                f"{f' with keys {sorted(map(str, state_dict))}' if isinstance(state_dict, dict) else ''}."
+                explain(what, f"pass what {name}.state_dict() returns (a dict with 'state', 'param_groups')")
             )
         saved_groups, states = state_dict["param_groups"], state_dict["state"]
         if len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                explain(
-                    f"The state dict being loaded has {len(saved_groups)} param groups, this {name} has "
-                    f"{len(self.param_groups)}",
-                    "build the optimizer with the param groups of the one saved",
-                )
-            )
+            what = f"The state dict has {len(saved_groups)} param groups, this {name} {len(self.param_groups)}"
+            raise ValueError(explain(what, "build the optimizer with the param groups of the one saved"))
         foreign = _foreign_optimizer(saved_groups, states, self)
         for i, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
             where = f" in param group {i} of the state dict being loaded"
             if not isinstance(saved, dict) or not isinstance(saved.get("params"), list):
                 raise ValueError(f"Param group {i} of the state dict being loaded is not a dict with a 'params' list.")
             if len(saved["params"]) != len(group["params"]):
-                raise ValueError(
-                    explain(
-                        f"Param group {i} of the state dict being loaded has {len(saved['params'])} parameters, this "
-                        f"{name}'s has {len(group['params'])}",
-                        "load the state of the same model and param groups",
-                    )
-                )
+                sizes = f"{len(saved['params'])} parameters, this one {len(group['params'])}"
+                what = f"Param group {i} of the state dict has {sizes}"
+                raise ValueError(explain(what, "load the state of the same model and param groups"))
             missing = [k for k in self.settings if k not in saved and k not in self.optional_settings]
             if foreign:
-                raise ValueError(
-                    explain(
-                        f"The state dict being loaded looks like the state of {foreign}, not of {name}"
-                        f"{f' (param group {i} lacks {missing})' if missing else ''}",
-                        f"load only the model's weights and let {name} start from zero state",
-                    )
-                )
+                lacks = f" (param group {i} lacks {missing})" if missing else ""
+                what = f"The state dict looks like the state of {foreign}, not of {name}{lacks}"
+                raise ValueError(explain(what, f"load only the model's weights and let {name} start from zero state"))
             if missing:
                 what = f"Param group {i} of the state dict being loaded lacks {name}'s settings {missing}"
                 fix = f"load the state dict {name} saved (per rank: birder_hf.checkpoint.load_rank_state)"
@@ -549,13 +508,9 @@ class OneBitOptimizer(Optimizer):
             if k not in ids and isinstance(v, dict) and any(key in v for key in self.required_state)
         ]
         if stray:
-            raise ValueError(
-                explain(
-                    f"The state dict being loaded has {name} state under keys {sorted(stray, key=str)[:5]} that none "
-                    f"of its param groups lists (they list {sorted(ids, key=str)[:5]}{' ...' * (len(ids) > 5)})",
-                    f"load what {name}.state_dict() wrote, keys unchanged; nothing was loaded",
-                )
-            )
+            what = f"The state dict has {name} state under keys {sorted(stray, key=str)[:5]} that none of its param "
+            what += f"groups lists (they list {sorted(ids, key=str)[:5]}{' ...' * (len(ids) > 5)})"
+            raise ValueError(explain(what, f"load what {name}.state_dict() wrote, keys unchanged; nothing was loaded"))
         self._check_shards(state_dict, saved_ids, [p for g in self.param_groups for p in g["params"]])
         for i, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
             settings = {**self.defaults, **saved}
@@ -565,13 +520,8 @@ class OneBitOptimizer(Optimizer):
                     continue
                 problem = self._state_problem(p, state, settings) if isinstance(state, dict) else "is not a dict"
                 if problem is not None:
-                    raise ValueError(
-                        explain(
-                            f"The state of parameter {j} (shape {tuple(p.shape)}) in param group {i} of the state "
-                            f"dict being loaded {problem}; nothing was loaded",
-                            f"load what {name}.state_dict() wrote for this model",
-                        )
-                    )
+                    what = f"The state of parameter {j} (shape {tuple(p.shape)}) in param group {i} {problem}"
+                    raise ValueError(explain(what + "; nothing was loaded", f"load what {name}.state_dict() wrote"))
 
     def _check_shards(self, state_dict: dict, saved_ids: list, params: list) -> None:
         # a sharded parameter's m, b cover this rank's shard only: they load onto the same shard or not at all
@@ -582,13 +532,10 @@ class OneBitOptimizer(Optimizer):
             record = saved.get("shard")
             record = None if record is None else tuple(int(v) for v in record)
             if (is_sharded(p) or record is not None) and record != shard_record(p):
-                raise ValueError(
-                    explain(
-                        f"{type(self).__name__}.load_state_dict: parameter {index}'s state (shape {tuple(p.shape)}) "
-                        f"is for {_describe_shard(record)}, this rank holds {_describe_shard(shard_record(p))}",
-                        "resume on the same mesh shape, wrapping and rank order. Nothing was loaded",
-                    )
-                )
+                what = f"{type(self).__name__}.load_state_dict: parameter {index}'s state (shape {tuple(p.shape)}) is "
+                what += f"for {_describe_shard(record)}, this rank holds {_describe_shard(shard_record(p))}"
+                fix = "resume on the same mesh shape, wrapping and rank order. Nothing was loaded"
+                raise ValueError(explain(what, fix))
 
 
 def _describe_shard(record) -> str:
@@ -645,7 +592,6 @@ def _lr_problem(value) -> str | None:
 
 LR = Setting(_lr_problem)
 NON_NEGATIVE = rule(lambda v: is_real_number(v) and v >= 0, "a finite float >= 0")
-UNIT_INTERVAL = rule(lambda v: is_real_number(v) and 0 <= v < 1, "a float in [0, 1)")
 FLAG = rule(lambda v: isinstance(v, bool), "True or False")
 OPTIONAL_FLAG = rule(lambda v: v is None or isinstance(v, bool), "None, True or False")
 INTEGER = rule(is_integer, "an int")

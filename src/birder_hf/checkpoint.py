@@ -19,13 +19,9 @@ Resuming with another world size is allowed on purpose: rank ``r`` loads the sta
 gradient statistics; only the per-rank history changes. A missing or unreadable file for the current
 layout is an error, never a silent reset.
 
-A checkpoint is usable only if every rank's file was written, and the framework's files with them. So, once every
-rank has written everything, :func:`mark_checkpoint_complete` writes ``birder_complete.json`` last and atomically:
-the world size and the name and size of every file of the checkpoint. :func:`find_resumable_checkpoint` (what
-``--resume_from_checkpoint auto`` runs after an elastic restart) takes the newest ``checkpoint-N`` whose marker is
-there and whose files are all there with those sizes; a newer one without it (the job died while writing it) is
-named in the log and left as it is. accelerate's ``save_state`` and Lightning's ``BirderDDPStrategy`` write the same
-marker (``birder_hf.integrations``: ``load_resumable_state``, ``find_resumable_lightning_checkpoint``).
+A checkpoint is usable only if every rank's file was written, and the framework's files with them:
+:func:`mark_checkpoint_complete` writes ``birder_complete.json`` last, and :func:`find_resumable_checkpoint` (what
+``--resume_from_checkpoint auto`` runs after an elastic restart) takes the newest checkpoint it marks complete.
 """
 
 from __future__ import annotations
@@ -91,10 +87,8 @@ def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]
 def _one_bit(optimizer, where: str) -> OneBitOptimizer:
     opt = unwrap_optimizer(optimizer)
     if not isinstance(opt, OneBitOptimizer):
-        raise TypeError(
-            f"{where} takes a birder_hf Birder or OneBitAdam optimizer (or a framework's wrapper of one), got "
-            f"{type(opt).__name__}{' (a model? pass the optimizer)' if isinstance(opt, torch.nn.Module) else ''}."
-        )
+        model = " (a model? pass the optimizer)" if isinstance(opt, torch.nn.Module) else ""
+        raise TypeError(f"{where} takes a birder_hf Birder or OneBitAdam optimizer, got {type(opt).__name__}{model}.")
     return opt
 
 
@@ -196,29 +190,33 @@ def read_rank_state(
         raise FileNotFoundError(explain(what, fix))
     source = rank if saved_world == world_size else rank % saved_world
     if saved_world != world_size:
-        warnings.warn(
-            f"Resuming Birder with world size {world_size} from a checkpoint of world size {saved_world}: rank {rank} "
-            f"takes the optimizer state of saved rank {source}. Training goes on; the run is no longer bit-for-bit "
-            "the same as an uninterrupted one.",
-            UserWarning,
-            stacklevel=2,
-        )
+        message = f"Resuming Birder with world size {world_size} from a checkpoint of world size {saved_world}: rank "
+        message += f"{rank} takes the optimizer state of saved rank {source} (no longer bit for bit an unbroken run)."
+        warnings.warn(message, UserWarning, stacklevel=2)
     path = rank_state_path(checkpoint_dir, source, saved_world)
     if not os.path.exists(path):
-        raise FileNotFoundError(
-            f"Birder state {path} is missing (the checkpoint of {saved_world} ranks is incomplete)."
-        )
+        raise FileNotFoundError(f"Birder state {path} is missing (an incomplete checkpoint of {saved_world} ranks).")
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:
-        raise RuntimeError(
-            f"Birder state {path} could not be read ({type(exc).__name__}: {exc}); it is corrupt."
-        ) from exc
+        raise RuntimeError(f"Birder state {path} is corrupt: {type(exc).__name__}: {exc}") from exc
     if not isinstance(payload, dict) or payload.get("format") != _FORMAT or "optimizer" not in payload:
         raise RuntimeError(f"Birder state {path} is not a birder_hf per-rank state (format {_FORMAT}).")
     if payload["rank"] != source or payload["world_size"] != saved_world:
         raise RuntimeError(f"Birder state {path} claims rank {payload['rank']} of {payload['world_size']}; renamed?")
     return payload["optimizer"]
+
+
+def gather_reports(report, world_size: int) -> list:
+    """Every rank's ``report`` in rank order (one ``all_gather_object``), so that all ranks judge the same table and
+    raise together; ``[report]`` unless ``torch.distributed`` runs ``world_size`` > 1 ranks."""
+    import torch.distributed as dist
+
+    if world_size > 1 and dist.is_available() and dist.is_initialized() and dist.get_world_size() == world_size:
+        table: list = [None] * world_size
+        dist.all_gather_object(table, report)
+        return table
+    return [report]
 
 
 def read_own_rank_state(optimizer, checkpoint_dir: str, *, rank: int | None = None, world_size: int | None = None):
@@ -234,17 +232,12 @@ def read_own_rank_state(optimizer, checkpoint_dir: str, *, rank: int | None = No
         opt.check_state_dict(state)
     except Exception as exc:  # reported to every rank below
         failure = exc
-    import torch.distributed as dist
-
-    if world_size > 1 and dist.is_available() and dist.is_initialized() and dist.get_world_size() == world_size:
-        table: list = [None] * world_size
-        report = None if failure is None else (type(failure).__name__, str(failure))
-        dist.all_gather_object(table, report)
-        first = next(((r, row) for r, row in enumerate(table) if row is not None), None)
-        if first is not None and failure is None:
-            r, (kind, message) = first
-            error = {"FileNotFoundError": FileNotFoundError, "ValueError": ValueError, "TypeError": TypeError}
-            raise error.get(kind, RuntimeError)(f"rank {r} of {world_size} could not load its Birder state: {message}")
+    report = None if failure is None else (type(failure).__name__, str(failure))
+    first = next(((r, row) for r, row in enumerate(gather_reports(report, world_size)) if row is not None), None)
+    if first is not None and failure is None:
+        r, (kind, message) = first
+        error = {"FileNotFoundError": FileNotFoundError, "ValueError": ValueError, "TypeError": TypeError}
+        raise error.get(kind, RuntimeError)(f"rank {r} of {world_size} could not load its Birder state: {message}")
     if failure is not None:
         raise failure
     return state
@@ -299,12 +292,10 @@ def mark_checkpoint_complete(
 ) -> str | None:
     """Mark ``checkpoint_dir`` complete: call it on every rank once that rank has written all its files there.
 
-    Collective when ``torch.distributed`` runs ``world_size`` ranks: one all-gather (also the barrier that every rank
-    has finished writing) checks that every rank's Birder state is in place (each rank looks at its own file, so
-    per-node disks work too). Then the writers (``write``; default: rank 0; the Trainer passes ``should_save``) write
-    ``birder_complete.json``: the world size and the size of every file they see, to a temporary file renamed into
-    place, so the marker is whole or absent. Raises ``RuntimeError`` naming the ranks whose file is missing (and
-    writes no marker). Returns the marker's path on the writers, else ``None``.
+    Collective when ``torch.distributed`` runs ``world_size`` ranks: one all-gather checks that every rank's Birder
+    state is in place (each rank looks at its own file: per-node disks work). Then the writers (``write``; default:
+    rank 0) write ``birder_complete.json`` atomically: the world size and the size of every file they see. Raises
+    ``RuntimeError`` naming the ranks whose file is missing. Returns the marker's path on the writers, else ``None``.
 
     ``failed``: why this rank could not write its files, a message or the exception itself (it still calls this, so
     that the others do not wait for it); every other rank then raises, naming it, and this rank raises its exception
@@ -317,13 +308,7 @@ def mark_checkpoint_complete(
     if failed is not None:
         why = f"{type(failed).__name__}: {failed}" if isinstance(failed, BaseException) else failed
         mine = f"rank {rank} failed to write its files ({why})"
-    reports = [mine]
-    import torch.distributed as dist
-
-    if world_size > 1 and dist.is_available() and dist.is_initialized() and dist.get_world_size() == world_size:
-        reports = [None] * world_size
-        dist.all_gather_object(reports, mine)
-    missing = [r for r in reports if r is not None]
+    missing = [r for r in gather_reports(mine, world_size) if r is not None]
     if missing:
         if isinstance(failed, BaseException):
             raise failed
@@ -396,7 +381,7 @@ def numbered_checkpoints(output_dir: str, pattern: str | re.Pattern | None = Non
     return sorted(found, reverse=True)
 
 
-def _on_rank_zero(fn):
+def on_rank_zero(fn):
     # fn() on rank 0, its answer broadcast to every rank (one broadcast when torch.distributed runs several ranks)
     import torch.distributed as dist
 
@@ -412,12 +397,10 @@ def _on_rank_zero(fn):
 def find_resumable_checkpoint(output_dir: str, *, pattern: str | re.Pattern | None = None) -> str | None:
     """The newest ``output_dir/checkpoint-N`` that is complete on every rank (:func:`checkpoint_problem`), or ``None``.
 
-    What ``--resume_from_checkpoint auto`` resolves to (``BirderTrainer.train``). Newer folders that are not complete
-    are named in the log (warning) and left alone; the choice, or "starting fresh", is one log line. Collective when
-    ``torch.distributed`` is initialized: rank 0 looks and every rank gets its answer (one broadcast), so all ranks
-    resume from the same checkpoint. ``pattern``: which folders are checkpoints, its first group their number
-    (:func:`numbered_checkpoints`; accelerate's ``load_resumable_state`` passes its own).
+    What ``--resume_from_checkpoint auto`` resolves to. Newer incomplete folders are named in a warning and left
+    alone. Collective when ``torch.distributed`` is initialized: rank 0's answer is every rank's (one broadcast).
+    ``pattern``: which folders are checkpoints, its first group their number (:func:`numbered_checkpoints`).
     """
-    return _on_rank_zero(
+    return on_rank_zero(
         lambda: _newest_complete(output_dir, [path for _, path in numbered_checkpoints(output_dir, pattern)])
     )

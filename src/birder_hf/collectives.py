@@ -349,10 +349,8 @@ def onebit_all_reduce(
 
     Args:
         u (`torch.Tensor`): this rank's values in ``[-1, 1]``, any shape, fp16/bf16/fp32/fp64. Values outside are
-            clamped by the quantizer itself, in the same pass (``u >= 1``, ``+inf`` included, always votes +1;
-            ``u <= -1`` always -1), and NaN votes -1. Nothing is refused: a check would cost a pass and a
-            device-to-host sync per call, and the DDP hook sends the ``u`` of a non-finite gradient too, before
-            every rank agrees to skip that step (Birder's encoder gives ``u`` in ``[-1, 1]`` otherwise).
+            clamped by the quantizer (``u >= 1`` and ``+inf`` vote +1, ``u <= -1`` -1, NaN -1), not refused: a check
+            would cost a pass and a host sync per call, and the DDP hook sends a non-finite gradient's ``u`` too.
         topology (`Topology`, *optional*): defaults to the default group itself
             (``Topology.flat(dedicated=False)``: nothing is built per call). Async calls that may overlap
             must share one ``Topology``: calls on it run in call order; a dedicated one (any constructor's
@@ -383,10 +381,8 @@ def onebit_all_reduce(
 
     Raises:
         ValueError: an invalid setting (before any communication); or, on every rank, ranks that passed different
-            arguments (``u``'s number of elements or dtype, ``method``, ``inter_method``, ``chunk_numel``, the
-            topology's layout): the first call with new arguments exchanges them (one all-gather of 7 int64, see
-            :func:`check_agreement`), later calls with the same ones only look them up. Checked in call order on
-            every rank; a rank that changes its arguments after calls the others repeat is not caught.
+            arguments (``u``'s numel or dtype, the settings, the layout): checked on the first call with new arguments
+            (:func:`check_agreement`), in call order on every rank.
 
     Example::
 

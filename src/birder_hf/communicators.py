@@ -137,9 +137,7 @@ class UsageMarks:
     autograd accumulates into (the parameter itself; under FSDP2 its unsharded parameter) marks the parameter.
 
     A parameter that is not watched counts as used. The marks ride on a step's agreement all-reduce, so that a
-    parameter no rank used is not stepped, as with a gradient of None, also where the framework hands over zeros for
-    it (DDP's buckets; FSDP2 with ``set_reduce_scatter_unused_params(True)``) or ``zero_grad(set_to_none=False)`` left
-    a zero tensor in ``.grad``.
+    parameter no rank used is not stepped, also where the framework hands over zeros for it (DDP's buckets; FSDP2).
     """
 
     __slots__ = ("used", "watched", "handles")
@@ -209,15 +207,8 @@ class HookState(Communicator):
     It owns what every hook does per step: the set-up agreement, the staged records (:meth:`claim`, :meth:`stage`;
     ``step()`` commits them), the ranks' agreement, the loss scale and the statistics. Its subclasses own where the
     gradients come from (a :class:`DDPBuckets`; FSDP's units) and turn :meth:`take_staged` into ``finish_step``.
-
-    Non-finite gradients: the ranks agree (one tiny all-reduce: DDP's after the last bucket, :meth:`queue_agreement`,
-    which makes its direction NaN on every rank as DDP's fp32 all-reduce would; FSDP's when ``step()`` or the scaler
-    asks) whether any rank had one; then ``step()`` skips everywhere, and ``m``, ``b`` and the parameters stay as they
-    were (only ``step()`` commits what the hook staged). With ``skip_unused`` the same all-reduce says which
-    parameters no rank used (:attr:`marks`, 4 more bytes per parameter): they are not stepped.
-
-    fp16 loss scaling (``GradScaler`` must not un-scale the direction in ``.grad``): ``docs/ARCHITECTURE.md``, "The
-    contract", item 5; the next backward drops the state a skipped step staged.
+    How the ranks agree on non-finite gradients and unused parameters, and fp16 loss scaling: ``docs/ARCHITECTURE.md``
+    ("The contract", items 4 and 5, and the paragraph on ``HookState`` after it).
 
     Attributes:
         stats (`CommStats`): bytes this rank sent, all steps.
@@ -271,9 +262,7 @@ class HookState(Communicator):
         # both checked in _check_setup (bool('no') is True, bool(None) False); comm_settings: the hook's 1-bit
         # all-reduce settings, (method, inter_method, chunk_numel) or a CommSettings (None: 1-bit Adam's hook)
         self.check_finite, self.comm_settings = check_finite, comm_settings
-        # this rank's checks, then one exchange with the others before any other collective (agree_setup): a bad
-        # argument on one rank stops every rank, and ranks set up differently fail instead of drifting apart
-        error = settings = None
+        error = settings = None  # this rank's checks, then one exchange with the others (agree_setup, "set-up" above)
         try:
             self._check_setup(optimizer, topology)
             check_grad_scaler(grad_scaler)
@@ -357,12 +346,8 @@ class HookState(Communicator):
 
     def close(self) -> None:
         """Release what the hook holds, now: wait for its last exchange, drop a step that was not applied, detach from
-        the optimizer and close the topology (its process groups and their threads).
-
-        Call it on every rank after the last ``optimizer.step()`` (the integrations do), before
-        ``destroy_process_group()``; the hook must not run again. Without it, the groups live until the process exits.
-        Statistics stay readable.
-        """
+        the optimizer and close the topology. Call it on every rank after the last ``optimizer.step()`` (the
+        integrations do), before ``destroy_process_group()``. Statistics stay readable."""
         if self.topology.closed:
             return
         self._close_step()
@@ -460,10 +445,8 @@ class HookState(Communicator):
     # -------------------------------------------------------------------------------------------- steps
     def amp_scaling(self) -> bool:
         """Whether ``step()`` takes ``.grad`` as it is from ``GradScaler``: yes, unless a rank's backward was
-        non-finite. Then the step is dropped here on every rank (``optimizer.step_was_skipped``) and every rank's
-        ``.grad`` holds NaN, so every rank's scaler un-scales, finds it, skips ``step()`` (accelerate and the Trainer
-        see a skipped step) and backs the scale off: the ranks' scales stay equal. Collective where the backward did
-        not agree yet (FSDP): every rank asks once per step, as ``GradScaler.step`` does."""
+        non-finite (then the step is dropped and every rank's ``.grad`` is NaN: ``docs/ARCHITECTURE.md``, "The
+        contract", item 5). Collective where the backward did not agree yet (FSDP): every rank asks once per step."""
         if self._skipping:
             return False
         verdict = self._agreed_verdict()
@@ -486,15 +469,10 @@ class HookState(Communicator):
             raise ValueError(explain(what, "keep check_finite=True"))
         scale = getattr(opt, "grad_scale", None)
         if scale is not None and self._pending and float(scale) != self.loss_scale():
-            used = self.loss_scale()
+            used, scaled = self.loss_scale(), float(scale)
             self._close_step()  # drop the step: the next backward starts clean
-            raise RuntimeError(
-                explain(
-                    f"{self.hook_name} encoded this step's gradients at loss scale {used:g}, but the GradScaler "
-                    f"stepping {type(opt).__name__} scaled the loss by {float(scale):g}",
-                    "pass that GradScaler as the hook's grad_scaler=. Nothing was applied",
-                )
-            )
+            what = f"{self.hook_name} encoded at loss scale {used:g}, but the GradScaler scaled the loss by {scaled:g}"
+            raise RuntimeError(explain(what, "pass that GradScaler as the hook's grad_scaler=. Nothing was applied"))
         if scale is None:
             what = f"GradScaler.unscale_ (clip_grad_norm_ calls it) ran on {self.hook_name}'s direction in .grad"
             fix = "Do not unscale or clip with the 1-bit hook (a step is bounded by lr already)"
@@ -515,11 +493,8 @@ class HookState(Communicator):
     def _skip(self) -> None:
         self._close_step()
         self.skipped_steps += 1
-        warnings.warn(
-            f"{type(self.optimizer).__name__}: a rank had a non-finite gradient; every rank skipped the step.",
-            RuntimeWarning,
-            stacklevel=4,
-        )
+        message = f"{type(self.optimizer).__name__}: a rank had a non-finite gradient; every rank skipped the step."
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
 
     def take_staged(self) -> dict[torch.Tensor, Staged] | None:
         """What the hook staged this step (each subclass's ``finish_step`` turns it into what its optimizer applies),
@@ -565,11 +540,8 @@ class BucketGrad(NamedTuple):
 class DDPBuckets:
     """DDP's side of a hook state (one each for :class:`birder_hf.BirderHookState` and
     :class:`birder_hf.OneBitAdamHookState`): where each gradient lies in the bucket DDP hands over, the guards, and
-    the agreement queued after the last bucket. A hook's body is :meth:`run`.
-
-    With ``skip_unused``, every parameter is watched (:class:`UsageMarks`: one Python call per parameter per
-    backward): how a rank knows which parameters it used this step, since DDP hands the hook zeros for an unused one
-    and ``zero_grad(set_to_none=False)`` leaves a zero tensor in ``.grad``.
+    the agreement queued after the last bucket. A hook's body is :meth:`run`. With ``skip_unused``, every parameter is
+    watched (:class:`UsageMarks`): DDP hands the hook zeros for an unused one.
     """
 
     __slots__ = ("state", "_layouts")
@@ -623,17 +595,12 @@ class DDPBuckets:
     def _grad(self, bucket_index: int, buffer: torch.Tensor, p: torch.Tensor, group: dict, offset: int) -> BucketGrad:
         """Where ``p``'s gradient lies in the bucket, and where DDP reads a result the hook writes into the bucket.
 
-        DDP fills a dense parameter's segment in the memory order the parameter had when DDP built its buckets (NHWC
-        for a channels_last conv weight; ``Reducer::initialize_bucket_views``), every other one C-contiguously, while
-        ``GradBucket.gradients()`` views every segment C-contiguously. It reads a result back through views with the
-        parameter's current strides (``populate_bucket_views_out``; a new result tensor always, the bucket itself
-        unless ``gradient_as_bucket_view=True``, where ``.grad`` is the fill view). The two orders differ only for a
-        model converted to channels_last after DDP wrapped it, until DDP rebuilds its buckets (never, with
-        ``find_unused_parameters=True``); DDP's own all-reduce then scrambles such gradients. So for a parameter whose
-        memory order is not C-contiguous, the fill order is read off ``p.grad`` the first time the parameter is seen
-        at this place: it is DDP's fill view under ``gradient_as_bucket_view=True``, and otherwise equal, element for
-        element, to one of the two readings of the bucket (a gradient that reads the same both ways decides nothing
-        and is asked again next step).
+        DDP fills a dense parameter's segment in the memory order the parameter had when DDP built its buckets
+        (``Reducer::initialize_bucket_views``) and reads the result back with its current strides
+        (``populate_bucket_views_out``); the two differ for a model converted to channels_last after wrapping
+        (``docs/SETUPS.md``, channels_last). For a parameter that is not C-contiguous, the fill order is read off
+        ``p.grad`` the first time it is seen here: DDP's fill view under ``gradient_as_bucket_view=True``, otherwise
+        equal to one of the two readings of the bucket (a gradient that reads the same both ways is asked again).
         """
         plain = buffer[offset : offset + p.numel()].view(p.shape)
         if p.is_contiguous() or not is_dense(p):
@@ -679,11 +646,9 @@ def is_dense(t: torch.Tensor) -> bool:
 class StepAllReduce(Communicator):
     """Birder's optimizer-side 1-bit all-reduce: ``step()`` encodes, all-reduces ``u`` and applies ``d``.
 
-    For training loops without DDP (each rank computes its own gradient) and for sharded parameters. Every rank
-    takes part in the same collectives with the same sizes, whatever gradients it has: one small all-reduce first
-    agrees on which parameters have a gradient on any rank (a rank without one contributes ``g = 0``) and whether
-    any rank's gradient is non-finite (then every rank skips the step); then one ``onebit_all_reduce`` of the
-    concatenated ``u`` of those parameters.
+    For training loops without DDP and for sharded parameters. Every rank takes part in the same collectives: one
+    small all-reduce agrees on the parameters with a gradient on any rank (a rank without one contributes ``g = 0``)
+    and on non-finite ones; then one ``onebit_all_reduce`` of the concatenated ``u`` of those parameters.
 
     Args:
         settings (`CommSettings`): the ``onebit_all_reduce`` settings (what :meth:`agree_on_setup` returns).
@@ -762,10 +727,8 @@ class StepAllReduce(Communicator):
         what: str = "Birder(process_group=...)",
     ) -> CommSettings:
         """Agree, with every rank, on the settings of the ``StepAllReduce`` about to be built for ``optimizer``
-        (:func:`agree_setup`: the optimizer's parameters and settings, the layout and the all-reduce settings), or on
-        ``error``, this rank's own failure, which every rank then raises. Collective over ``agree_group``, else the
-        topology's group, else ``process_group``, else the default group; call it before building the topology (its
-        groups are collectives the other ranks would wait in). Returns the checked settings, to build it with."""
+        (:func:`agree_setup`), or on ``error``, this rank's own failure, which every rank then raises. Collective over
+        :func:`setup_group`; call it before building the topology. Returns the checked settings, to build it with."""
         settings = comm = None
         if error is None:
             try:
@@ -780,10 +743,8 @@ class StepAllReduce(Communicator):
                         fix = "pass process_group= only on the group's ranks"
                         raise ValueError(explain("This process is not a member of process_group", fix))
                     if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-                        raise TypeError(
-                            "process_group must be a torch.distributed ProcessGroup (e.g. dist.group.WORLD), got "
-                            f"{type(process_group).__name__}."
-                        )
+                        what = f"process_group is a {type(process_group).__name__}"
+                        raise TypeError(explain(what, "pass a torch.distributed ProcessGroup (e.g. dist.group.WORLD)"))
                     layout = (1, dist.get_world_size(process_group))
                 settings = communicator_settings("StepAllReduce", optimizer, layout, **comm.as_dict())
             except Exception as exc:

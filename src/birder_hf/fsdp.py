@@ -12,18 +12,13 @@ averaged gradient: 8 bytes per parameter divided by the ranks per node) and Bird
 over the replicate group (the ranks holding the same shard on every node): 1 bit per element of the shard crosses
 the nodes per step, and nothing else does.
 
-Two communicators (``birder_hf.base``):
-
-- :class:`FSDPHookState` (the default, ``in_backward=True``): ``FSDPModule.set_all_reduce_hook`` hands it each FSDP
-  unit's reduce-scatter output during backward; it encodes ``m, b -> u`` into staged buffers and starts the 1-bit
-  all-reduce asynchronously (overlapping the rest of backward); ``optimizer.step()`` waits, agrees with every rank
-  that the step is finite, commits ``m``, ``b`` and applies ``d``. ``.grad`` keeps what FSDP put there (the node's
-  averaged gradient of this shard): the hook does not write ``d`` into the reduce output, because FSDP divides it
-  (fp16 reduce) and casts it to the parameter dtype after the hook returns, before the asynchronous result is there.
-- :class:`birder_hf.communicators.StepAllReduce` (``in_backward=False``): the same exchange inside ``step()``.
-
-Both key each element's random bits by its index in the full flattened parameter (``quantize.BitKeys`` offsets),
-and the drawing worker is the node: the bits depend on the shard layout only through which node draws them.
+Two communicators (``docs/ARCHITECTURE.md``): :class:`FSDPHookState` (``in_backward=True``, the default: FSDP's
+all-reduce hook hands it each unit's reduce-scatter output during backward) and
+:class:`birder_hf.communicators.StepAllReduce` (``in_backward=False``: the same exchange inside ``step()``). The hook
+leaves ``.grad`` as FSDP put it (the node's averaged gradient of this shard) and keeps ``d`` itself: FSDP divides and
+casts the reduce output after the hook returns, before the asynchronous result is there. Both key each element's
+random bits by its index in the full flattened parameter, so the bits depend on the shard layout only through which
+node draws them.
 
 What runs and what is refused at set-up (with the fix): ``docs/SETUPS.md`` (sharded rows and 1-bit HSDP).
 
@@ -198,13 +193,10 @@ class FSDPHookState(HookState):
         layout = unit.layout()
         expected = sum(n for _, n in layout)
         if reduce_output.numel() != expected:
-            raise RuntimeError(
-                explain(
-                    f"birder_fsdp_hook: {type(unit.module).__name__}'s reduce-scatter output has "
-                    f"{reduce_output.numel()} elements, its trainable parameters {expected}",
-                    "keep requires_grad as at register_birder_fsdp and set_reduce_scatter_unused_params(True)",
-                )
-            )
+            name, numel = type(unit.module).__name__, reduce_output.numel()
+            what = f"birder_fsdp_hook: {name}'s reduce-scatter output has {numel} elements, its parameters {expected}"
+            fix = "keep requires_grad as at register_birder_fsdp and set_reduce_scatter_unused_params(True)"
+            raise RuntimeError(explain(what, fix))
         items, offset = [], 0
         for p, taken in layout:
             group = self.claim(
@@ -261,9 +253,7 @@ def _refuse_wrappers(model) -> torch.nn.Module:
         fix = "wrap with fully_shard(module, mesh=mesh['shard']) (accelerate: fsdp_version: 2)"
         raise TypeError(explain(what, fix))
     if "DeepSpeed" in name:
-        raise TypeError(
-            explain("Birder does not run under DeepSpeed (ZeRO reduces gradients itself)", "use FSDP2 or DDP")
-        )
+        raise TypeError(explain("Birder does not run under DeepSpeed (ZeRO reduces gradients itself)", "use FSDP2"))
     return inner
 
 
@@ -285,9 +275,7 @@ def _check_model(model, optimizer: Birder, grid: list[list[int]]) -> None:
     rank = dist.get_rank()
     row = next((r for r in grid if rank in r), None)
     if row is None or sum(len(r) for r in grid) != dist.get_world_size():
-        raise ValueError(
-            f"The mesh {grid} must cover every rank of the default process group ({dist.get_world_size()}), once."
-        )
+        raise ValueError(explain(f"The mesh {grid} must cover every rank once", "build it with hsdp_mesh(num_nodes)"))
     for name, p in model.named_parameters():
         problem = _parameter_problem(p, row, optimizer) if p.requires_grad else None
         if problem is not None:
@@ -336,10 +324,9 @@ def register_birder_fsdp(
         mesh (`DeviceMesh`): the 2-D ``(replicate, shard)`` mesh (dimension 0: the nodes; dimension 1: the ranks of a
             node), or a 1-D mesh of all ranks (FSDP without a replicate dimension: nothing to compress, see the
             module docstring).
-        method (`str`, *optional*, defaults to `"hierarchical"`): the 1-bit all-reduce across the nodes
-            (``onebit_all_reduce``); each node is one rank of it, so ``"hierarchical"`` and ``"allgather"`` give the
-            exact mean of the nodes' votes ((k-1)/8 bytes per shard element for k nodes), ``"scatter_gather"`` a
-            re-quantized ±1 (about 2/8 bytes per shard element).
+        method (`str`, *optional*, defaults to `"hierarchical"`): the 1-bit all-reduce across the nodes (one rank
+            each): ``"hierarchical"`` and ``"allgather"`` give the exact mean of the nodes' votes, ``"scatter_gather"``
+            a re-quantized ±1.
         inter_method, chunk_numel, check_finite: as for :class:`birder_hf.BirderHookState`.
         in_backward (`bool`, *optional*, defaults to `True`): run the exchange in FSDP's all-reduce hook during
             backward (overlapping it); ``False`` runs it in ``optimizer.step()`` (same result, no overlap).
@@ -388,14 +375,9 @@ def register_birder_fsdp(
         fix = "shard it first: shard_model(model, mesh['shard'])"
         raise ValueError(explain("register_birder_fsdp found no FSDP2 module with parameters in the model", fix))
     if len(grid) == 1:
-        warnings.warn(
-            "register_birder_fsdp: the mesh has no replicate dimension, so FSDP's full-precision reduce-scatter "
-            "already spans every rank and nothing is left to send in 1 bit; Birder trains as one worker on the "
-            "averaged gradient (d = Q(u)). For 1 bit across nodes, shard on the 'shard' dimension of a 2-D "
-            "(replicate, shard) mesh.",
-            UserWarning,
-            stacklevel=2,
-        )
+        what = "register_birder_fsdp: the mesh has no replicate dimension, so nothing is left to send in 1 bit"
+        fix = "Birder trains as one worker. For 1 bit across nodes, shard on mesh['shard'] of a 2-D mesh"
+        warnings.warn(explain(what, fix), UserWarning, stacklevel=2)
     # Every rank builds the same groups in the same order: the replicas of each shard, then all ranks (agreement).
     topology = Topology.from_replicate_dim(mesh)
     everyone = dist.new_group(list(range(dist.get_world_size())))

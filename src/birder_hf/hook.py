@@ -3,11 +3,9 @@
 Paper: `Birder: Communication-Efficient 1-bit Adaptive Optimizer for Practical Distributed DNN
 Training` (Peng et al., NeurIPS 2023) - https://openreview.net/forum?id=Mlo2kM11ZB
 
-The hook is Birder's communicator under DDP (``birder_hf.base``): for every bucket DDP hands over, it encodes
-``m``, ``b`` and ``u = m / b`` of the bucket's parameters (found through ``bucket.parameters()``, so DDP's
-bucket rebuild after the first iteration cannot scramble them), starts ``onebit_all_reduce`` asynchronously
-(overlapping the rest of backward) and returns a Future of the direction ``d``, which DDP writes into
-``.grad``. ``Birder.step()`` then applies ``x <- x - lr * (d + wd * x)``.
+For every bucket DDP hands over, the hook encodes ``u = m / b`` of the bucket's parameters (found through
+``bucket.parameters()``, so DDP's bucket rebuild cannot scramble them), starts ``onebit_all_reduce`` asynchronously
+and returns a Future of the direction ``d``, which DDP writes into ``.grad``; ``Birder.step()`` applies it.
 
 Non-finite gradients: the new ``m`` and ``b`` are written to second buffers and committed in
 ``optimizer.step()`` only after all ranks agreed (one tiny all-reduce of a flag per step) that every
@@ -34,7 +32,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .base import OneBitOptimizer, Update, unwrap_optimizer
+from .base import OneBitOptimizer, Update, explain, unwrap_optimizer
 from .collectives import onebit_all_reduce
 from .communicators import DDPBuckets, HookState, Staged, agree_setup, is_dense, setup_group
 from .lifecycle import then
@@ -130,17 +128,14 @@ class BirderHookState(HookState):
             ``"hierarchical"``.
         chunk_numel (`int`, *optional*): bound on the elements per collective (receive buffers).
         check_finite (`bool`, *optional*, defaults to `True`): skip a step on every rank when any rank
-            has a non-finite gradient (costs one tiny all-reduce and a host sync per step). The same all-reduce
-            also finds the parameters no rank computed a gradient for (``find_unused_parameters=True``): they are
-            not stepped, as with a gradient of None, also after ``zero_grad(set_to_none=False)`` left a zero
-            tensor in ``.grad`` (one Python call per parameter per backward, 4 more bytes per parameter in that
-            all-reduce). With ``check_finite=False``, use ``zero_grad(set_to_none=True)`` (the default) for that.
+            has a non-finite gradient (one tiny all-reduce and a host sync per step). The same all-reduce finds the
+            parameters no rank computed a gradient for: they are not stepped, as with a gradient of None (with
+            ``check_finite=False``, only where ``.grad`` is None: use ``zero_grad(set_to_none=True)``).
         agree_group (`ProcessGroup`, *optional*): the ranks that agree a step is finite; defaults to the
             topology's.
-        grad_scaler (`torch.amp.GradScaler`, *optional*): the scaler that scales the loss (fp16). The hook reads the
-            scale each backward used and encodes ``g / S`` (exact: S is a power of two), so ``m`` and ``b`` are those
-            of the unscaled run through every back-off and growth; ``step()`` refuses a scaled step from a scaler whose
-            scale differs from the one the hook read (without it: 1).
+        grad_scaler (`torch.amp.GradScaler`, *optional*): the scaler that scales the loss (fp16): the hook encodes
+            ``g / S`` with the scale ``S`` each backward used (exact: a power of two), so ``m`` and ``b`` are those of
+            the unscaled run (``docs/SETUPS.md``, fp16).
 
     It owns two components: ``buckets`` (:class:`birder_hf.communicators.DDPBuckets`, DDP's side) and ``staging``
     (:class:`BirderStaging`, Birder's side, which the FSDP hook's state owns too).
@@ -230,9 +225,9 @@ def unwrap_ddp(model) -> torch.nn.parallel.DistributedDataParallel:
         inner = getattr(inner, "_orig_mod", None)
         if inner is None:
             break
+    what = f"The 1-bit hook needs a DistributedDataParallel model (or a compiled one), got {type(model).__name__}"
     raise TypeError(
-        f"Expected a DistributedDataParallel model (or a torch.compile-d one), got {type(model).__name__}: the 1-bit "
-        "hook needs DDP (accelerate's prepare() and the Trainer wrap the model in DDP when several processes run)."
+        explain(what, "wrap it in DDP (accelerate's prepare() and the Trainer do, with several processes)")
     )
 
 
@@ -251,9 +246,8 @@ def attach_ddp_hook(
     ``onebit_adam_hook`` for a ``OneBitAdam`` (1-bit Adam has one exchange: ``method``, ``inter_method`` and
     ``chunk_numel`` apply to Birder only; they are validated either way). Returns the hook state.
 
-    ``model`` may be ``torch.compile``-d; ``optimizer`` may be wrapped (accelerate, Lightning). If DDP refuses
-    the hook (one is registered already), the optimizer is left as it was. With fp16 loss scaling pass the
-    ``GradScaler`` as ``grad_scaler`` (Birder only; see :class:`BirderHookState`).
+    ``model`` may be ``torch.compile``-d; ``optimizer`` may be wrapped. If DDP refuses the hook, the optimizer is left
+    as it was. With fp16 loss scaling pass the ``GradScaler`` as ``grad_scaler`` (see :class:`BirderHookState`).
     """
     try:  # this rank's checks; a failure stops every rank together (agree_setup), as the hook states' own checks do
         settings = check_settings(method, inter_method, chunk_numel)

@@ -125,10 +125,7 @@ def wait_for_callbacks(timeout: float | None = None) -> bool:
     seconds; ``None``: no limit). Returns ``False`` on timeout, with a warning: a callback still waits for a peer."""
     if _LIVE.wait(timeout):
         return True
-    warnings.warn(
-        f"birder_hf: {len(_LIVE.refs)} callback(s) of the 1-bit all-reduce still wait for a collective after "
-        f"{timeout} s (a peer rank failed or has not joined); the process may abort when it exits.",
-        RuntimeWarning,
-        stacklevel=2,
-    )
+    message = f"birder_hf: {len(_LIVE.refs)} callback(s) of the 1-bit all-reduce still wait for a collective after "
+    message += f"{timeout} s (a peer rank failed or has not joined); the process may abort when it exits."
+    warnings.warn(message, RuntimeWarning, stacklevel=2)
     return False

@@ -30,6 +30,7 @@ from .base import (
     Update,
     all_finite,
     choice,
+    explain,
     is_integer,
     is_real_number,
     rule,
@@ -198,13 +199,9 @@ class OneBitAdam(OneBitOptimizer):
             state["worker_error"] = torch.zeros_like(state["exp_avg"])
         if state.get("server_shard") != (rank, world):
             if "server_shard" in state:
-                warnings.warn(
-                    f"OneBitAdam: the server error was saved as shard {state['server_shard'][0]} of "
-                    f"{state['server_shard'][1]} ranks and this is rank {rank} of {world}; it restarts from zero "
-                    "(the worker error and m, v are kept). Resume with the same world size to continue exactly.",
-                    UserWarning,
-                    stacklevel=4,
-                )
+                what = f"OneBitAdam: the server error was saved for {state['server_shard'][1]} ranks, not {world}"
+                fix = "it restarts from zero (m, v kept); resume with the same world size to continue exactly"
+                warnings.warn(explain(what, fix), UserWarning, stacklevel=4)
             _, lens = shard_layout(p.numel(), world)
             state["server_error"] = state["exp_avg"].new_zeros(lens[rank])
             state["server_shard"] = (rank, world)
@@ -391,10 +388,8 @@ class OneBitAdamHookState(HookState):
     def _check_setup(self, optimizer, topology) -> None:
         super()._check_setup(optimizer, topology)
         if len({g["freeze_step"] for g in optimizer.param_groups}) > 1:
-            raise ValueError(
-                "All param groups must share one freeze_step under onebit_adam_hook: a DDP bucket is either "
-                "averaged in full precision or compressed."
-            )
+            what = "The param groups' freeze_step differ, but a DDP bucket is averaged in full precision or compressed"
+            raise ValueError(explain(what, "all param groups must share one freeze_step under onebit_adam_hook"))
 
     @property
     def description(self) -> str:
@@ -415,12 +410,10 @@ class OneBitAdamHookState(HookState):
 def onebit_adam_hook(state: OneBitAdamHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook of :class:`OneBitAdam` (see its docstring for the math).
 
-    Warm-up (``step < freeze_step``): the full-precision average of the bucket, as DDP's
-    ``allreduce_hook``. Afterwards, per parameter: ``x = beta1 m + (1 - beta1) g_local + e_worker`` is
-    compressed into ``n`` signed, scaled shards; an all-to-all sends shard ``s`` to rank ``s``, which
-    averages the ``n`` copies, adds its server error and re-compresses; an all-gather shares the results.
-    The Future holds the synchronized momentum ``m_bar`` (identical on every rank; DDP writes it into
-    ``.grad``); ``optimizer.step()`` commits ``m = m_bar`` and the new error buffers, then updates.
+    Warm-up (``step < freeze_step``): the full-precision average of the bucket, as DDP's ``allreduce_hook``.
+    Afterwards the two-stage exchange of :class:`OneBitAdam`'s math: an all-to-all of each parameter's compressed
+    shards, each owner's re-compressed mean, an all-gather. The Future holds the synchronized momentum ``m_bar``
+    (DDP writes it into ``.grad``); ``optimizer.step()`` commits ``m = m_bar`` and the error buffers, then updates.
 
     One all-to-all and one all-gather of ``(c/8 + 4k)`` bytes per peer per bucket (``c`` the elements
     of one shard of the bucket's ``k`` parameters, padded to whole bytes).
@@ -434,10 +427,8 @@ def _start_bucket(state: OneBitAdamHookState, buffer: torch.Tensor, items: list)
     opt.check_state_matches([item.param for item in items])
     phases = {opt.compressing(item.param, item.group) for item in items}
     if len(phases) > 1:
-        raise RuntimeError(
-            "A DDP bucket holds parameters in both phases (their step counts differ): every parameter of the model "
-            "must be stepped together, and a checkpoint must hold the state of every parameter."
-        )
+        what = "A DDP bucket holds parameters in both phases (their step counts differ)"
+        raise RuntimeError(explain(what, "step every parameter together, and checkpoint the state of every one"))
     stats = state.step_stats
     stats.calls += 1
     stats.fp32_allreduce_bytes += fp32_allreduce_bytes(buffer.numel(), n)

@@ -12,11 +12,9 @@ Deviations from the paper (its full text and code were not available to us; ``do
   ``birder_hf.quantize``, so that resume is exact and the bits do not depend on DDP's bucket layout.
 - ``quantize=False`` and ``amsgrad=True`` are opt-in extras (a single-process reference, and the
   max-variant the paper uses only in its theory).
-- ``stale`` (ours): what a coordinate does on a step where its gradient is exactly 0. In the paper's update
-  (``stale="keep"``) ``m`` and ``b`` decay alike, so ``u = m / b`` keeps its last value and a coordinate that stops
-  receiving gradient drifts by ``lr`` per step in its last direction forever. ``"fade"`` decays its ``m`` once more
-  (``u`` shrinks by ``beta`` per such step) and stops its vote once ``|u| < STALE_VOTE_MIN``; ``"lazy"`` stops its
-  vote at once (``u = 0``). ``docs/ALGORITHM.md`` has the bounds and the measurements behind the default.
+- ``stale`` (ours): what a coordinate does on a step where its gradient is exactly 0 (:class:`Birder`; the paper's
+  update, ``stale="keep"``, lets it drift by ``lr`` per step forever). ``docs/ALGORITHM.md`` has the bounds and the
+  measurements behind the default.
 - Steps with a non-finite gradient are skipped (state and parameters untouched) with a warning.
 
 The optimizer *encodes* (``m, b -> u``) and *applies* (``x <- x - lr (d + wd x)``); turning every rank's ``u``
@@ -42,6 +40,7 @@ from .base import (
     OneBitOptimizer,
     Update,
     all_finite,
+    explain,
     is_integer,
     is_real_number,
     local_tensor,
@@ -202,10 +201,8 @@ class Birder(OneBitOptimizer):
                 known = "its settings are lr, beta, weight_decay, quantize, amsgrad, stale, seed, foreach, maximize"
                 raise TypeError(f"Birder got an unknown setting {key}={unknown[key]!r}: {hint.get(key, known)}.")
             if differentiable is not False:
-                raise ValueError(
-                    f"Invalid differentiable={differentiable!r}: Birder does not support differentiable=True (its "
-                    "step draws random signs, which have no useful derivative); leave it False."
-                )
+                what = f"Invalid differentiable={differentiable!r}: random signs have no useful derivative"
+                raise ValueError(explain(what, "leave it False"))
             if process_group is not None and topology is not None:
                 raise ValueError("Pass process_group= or topology=, not both.")
             if seed is None:  # torch's seed, not a draw from its generator: two optimizers built alike step alike
@@ -217,10 +214,8 @@ class Birder(OneBitOptimizer):
             if distributed and not quantize:
                 raise ValueError("quantize=False sends full-precision u and is for one process only; drop it.")
             if not distributed and method is not None:
-                raise ValueError(
-                    "method= chooses the optimizer-side 1-bit all-reduce: pass process_group= or topology= with it "
-                    "(with the DDP hook, give method= to BirderHookState instead)."
-                )
+                what = "method= chooses the optimizer-side 1-bit all-reduce"
+                raise ValueError(explain(what, "pass process_group= or topology= with it (DDP hook: BirderHookState)"))
         except Exception as exc:
             if not distributed:
                 raise
@@ -253,10 +248,8 @@ class Birder(OneBitOptimizer):
             raise ValueError(f'lazy= in a param group{where} is replaced by stale= ("lazy", "fade" or "keep").')
         super()._check_group_keys(param_group, where)
         if "seed" in param_group and param_group["seed"] != self.defaults["seed"]:
-            raise ValueError(
-                f"Invalid seed={param_group['seed']!r}{where}: Birder has one seed for all its param groups "
-                f"({self.defaults['seed']!r}, the random bits are keyed by it); pass seed= to Birder, not to a group."
-            )
+            what = f"Invalid seed={param_group['seed']!r}{where}: Birder has one seed ({self.defaults['seed']!r})"
+            raise ValueError(explain(what, "pass seed= to Birder, not to a group"))
 
     # --------------------------------------------------------------------- protocol for communicators
     def init_state(self, p: torch.Tensor, group: dict) -> dict:

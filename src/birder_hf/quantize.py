@@ -283,13 +283,9 @@ class _Codec:
             return fn(*args)
         except Exception as exc:  # no C++ compiler, unsupported device, recompile limit, ...
             if not self._failed:  # warn once
-                warnings.warn(
-                    f"birder_hf: torch.compile of the 1-bit codec kernel {name!r} failed ({type(exc).__name__}: "
-                    f"{exc}); falling back to eager kernels (bitwise identical, slower). "
-                    "Call birder_hf.quantize.set_codec_compile(False) to silence this.",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
+                message = f"birder_hf: torch.compile of codec kernel {name!r} failed ({type(exc).__name__}: {exc}); "
+                message += "falling back to eager kernels (the same bits). set_codec_compile(False) silences this."
+                warnings.warn(message, RuntimeWarning, stacklevel=3)
             self._failed.add(name)
             return self._EAGER[name](*args)
 

@@ -46,10 +46,8 @@ class CommSettings:
         if chunk_numel is not None and not (
             isinstance(chunk_numel, numbers.Integral) and not isinstance(chunk_numel, bool) and chunk_numel >= 1
         ):
-            raise ValueError(
-                f"Invalid chunk_numel={chunk_numel!r}: chunk_numel must be None (one round) or an int >= 1, the "
-                "elements per collective round (e.g. 2**24)."
-            )
+            fix = "pass None (one round) or an int >= 1, the elements per collective round (e.g. 2**24)"
+            raise ValueError(f"Invalid chunk_numel={chunk_numel!r}; {fix}.")
 
     def as_dict(self) -> dict:
         return {"method": self.method, "inter_method": self.inter_method, "chunk_numel": self.chunk_numel}

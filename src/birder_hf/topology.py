@@ -32,11 +32,8 @@ __all__ = ["Topology"]
 
 def _require_initialized(where: str) -> None:
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            f"{where} needs an initialized default process group: call "
-            "torch.distributed.init_process_group(...) first (accelerate's Accelerator() and "
-            "transformers' Trainer do this for you)."
-        )
+        fix = "call torch.distributed.init_process_group(...) first (Accelerator() and the Trainer do)"
+        raise RuntimeError(explain(f"{where} needs an initialized default process group", fix))
 
 
 def _build_group(enumeration: list[list[int]], world_group):
@@ -116,10 +113,8 @@ class Topology:
         for name, size in (("rank", "world_size"), ("local_rank", "local_world_size"), ("node_rank", "num_nodes")):
             value, bound = getattr(self, name), getattr(self, size)
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < bound:
-                raise ValueError(
-                    f"Topology: {name}={value!r} is not in [0, {size}={bound}); build topologies with "
-                    "Topology.from_env(), Topology.flat() or Topology.from_layout(num_nodes, local_world_size)."
-                )
+                what = f"Topology: {name}={value!r} is not in [0, {size}={bound})"
+                raise ValueError(explain(what, "build it with Topology.from_env(), flat() or from_layout()"))
         if self.local_world_size * self.num_nodes != self.world_size:
             raise ValueError(f"{self.num_nodes} nodes x {self.local_world_size} ranks != world size {self.world_size}")
         object.__setattr__(self, "intra_ranks", tuple(self.intra_ranks))
@@ -141,10 +136,8 @@ class Topology:
         """
         _require_initialized("Topology.flat")
         if group is not None and not isinstance(group, dist.ProcessGroup):
-            raise TypeError(
-                f"Topology.flat(group): group must be a torch.distributed ProcessGroup or None (the default group), "
-                f"got {type(group).__name__}."
-            )
+            what = f"Topology.flat(group): group is a {type(group).__name__}"
+            raise TypeError(explain(what, "pass a torch.distributed ProcessGroup or None (the default group)"))
         group = dist.group.WORLD if group is None else group
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         if rank < 0:
@@ -194,10 +187,8 @@ class Topology:
                 raise ValueError(problem if len({row[:2] for row in table}) == 1 else f"rank {r}: {problem}")
             if len({row[:2] for row in table}) > 1:
                 layouts = ", ".join(f"rank {r} ({row[0]}, {row[1]})" for r, row in enumerate(table))
-                raise ValueError(
-                    f"Topology.from_layout: the ranks asked for different layouts (num_nodes, local_world_size): "
-                    f"{layouts}; every rank must pass the same arguments."
-                )
+                what = "Topology.from_layout: the ranks asked for different layouts (num_nodes, local_world_size)"
+                raise ValueError(explain(f"{what}: {layouts}", "every rank must pass the same arguments"))
         elif problem:
             raise ValueError(problem)
         k, lws = num_nodes, local_world_size
@@ -228,13 +219,9 @@ class Topology:
         dist.all_gather_object(table, (dist.get_rank(), values, errors))
         problem = _check_env_table(table, world)
         if problem:
-            raise ValueError(
-                explain(
-                    f"Topology.from_env: {problem}",
-                    "torchrun and accelerate set LOCAL_WORLD_SIZE, GROUP_RANK and LOCAL_RANK: with another launcher "
-                    "export them, or use Topology.from_layout(num_nodes, local_world_size)",
-                )
-            )
+            fix = "torchrun and accelerate set LOCAL_WORLD_SIZE, GROUP_RANK and LOCAL_RANK: with another launcher "
+            fix += "export them, or use Topology.from_layout(num_nodes, local_world_size)"
+            raise ValueError(explain(f"Topology.from_env: {problem}", fix))
         lws = table[0][1]["LOCAL_WORLD_SIZE"]
         return cls._from_grid([[g * lws + j for j in range(lws)] for g in range(world // lws)])
 
@@ -264,13 +251,10 @@ class Topology:
     def from_replicate_dim(cls, mesh) -> Topology:
         """This rank and its replicas across the nodes, each its own node: ``k`` nodes x 1 rank.
 
-        ``mesh`` is the 2-D ``(replicate, shard)`` DeviceMesh of HSDP (dimension 0 spans the ``k`` nodes,
-        dimension 1 the ranks of a node; ``init_device_mesh(device, (k, L), mesh_dim_names=("replicate",
-        "shard"))``). The topology holds the ``k`` ranks with this rank's local index, one per node, which hold the
-        same shard of every FSDP parameter: the group Birder's 1-bit all-reduce runs on in sharded training
-        (``birder_hf.fsdp``). Every byte it sends counts as inter-node. A 1-D mesh of all ranks is one node
-        (``k = 1``: this rank alone). Collective: every rank calls it (each builds its own copy of the groups, as
-        :meth:`from_device_mesh` does).
+        ``mesh`` is the 2-D ``(replicate, shard)`` DeviceMesh of HSDP (dimension 0 spans the ``k`` nodes). The
+        topology holds the ``k`` ranks that hold this rank's shard of every FSDP parameter, one per node: the group of
+        Birder's 1-bit all-reduce in sharded training (``birder_hf.fsdp``); every byte counts as inter-node. A 1-D
+        mesh of all ranks is one node (``k = 1``). Collective: every rank calls it.
         """
         _require_initialized("Topology.from_replicate_dim")
         if getattr(mesh, "ndim", None) == 1 and hasattr(mesh, "mesh"):
@@ -341,10 +325,8 @@ class Topology:
     def check_open(self) -> None:
         """Raise ``RuntimeError`` if :meth:`close` released this topology's groups."""
         if self.closed:
-            raise RuntimeError(
-                f"{self!r} was closed (its process groups are released); build a new topology, and a new hook state "
-                "with it, to communicate again."
-            )
+            what = f"{self!r} was closed (its process groups are released)"
+            raise RuntimeError(explain(what, "build a new topology, and a new hook state with it"))
 
     # ------------------------------------------------------------------------------------------- misc
     def __repr__(self) -> str:
@@ -360,24 +342,19 @@ class Topology:
         return self
 
     def __reduce_ex__(self, protocol):
-        raise TypeError(
-            "Topology holds process groups and cannot be pickled or checkpointed; rebuild it after a restart "
-            "(Topology.from_env() / from_layout() / from_device_mesh()) and keep it out of state_dict()."
-        )
+        what = "Topology holds process groups and cannot be pickled or checkpointed"
+        raise TypeError(explain(what, "rebuild it after a restart (Topology.from_env(), ...), outside state_dict()"))
 
 
 def _mesh_grid(mesh, where: str) -> list[list[int]]:
     """``grid[node][local] = global rank`` of a 2-D DeviceMesh covering every rank, ascending along both dimensions."""
+    fix = "build one with init_device_mesh(device, (num_nodes, local_world_size))"
     if not hasattr(mesh, "mesh") or not hasattr(mesh, "get_group"):
-        raise TypeError(
-            f"{where} expects a torch.distributed DeviceMesh, got {type(mesh).__name__}; build one with "
-            "init_device_mesh(device, (num_nodes, local_world_size))."
-        )
+        raise TypeError(explain(f"{where} expects a torch.distributed DeviceMesh, got {type(mesh).__name__}", fix))
     if getattr(mesh, "ndim", None) != 2:
+        dims = f" of {mesh.ndim} dimensions" if hasattr(mesh, "ndim") else ""
         raise ValueError(
-            f"{where} expects a 2-D torch.distributed DeviceMesh (nodes x local), got "
-            f"{type(mesh).__name__}{f' of {mesh.ndim} dimensions' if hasattr(mesh, 'ndim') else ''}; build one "
-            "with init_device_mesh(device, (num_nodes, local_world_size))."
+            explain(f"{where} expects a 2-D DeviceMesh (nodes x local), got {type(mesh).__name__}{dims}", fix)
         )
     world = dist.get_world_size()
     k, lws = mesh.size(0), mesh.size(1)
@@ -387,7 +364,6 @@ def _mesh_grid(mesh, where: str) -> list[list[int]]:
     # a group's ranks are ordered by global rank: the mesh must ascend along both dimensions for
     # those orders to be the mesh's local and node indices
     if any(sorted(row) != row for row in grid) or any(sorted(col) != list(col) for col in zip(*grid)):
-        fix = "build it with init_device_mesh(device, (num_nodes, local_world_size)), or use Topology.from_layout"
         raise ValueError(explain(f"{where}: the mesh's ranks do not ascend along both dimensions", fix))
     return grid
 

@@ -81,10 +81,8 @@ def check_device(group, device: torch.device) -> None:
     else:
         ok = device.type != "meta"
     if not ok:
-        raise ValueError(
-            f"u is on {device} but the process group's backend is {backend!r}; move u to a device the backend "
-            "handles (nccl: cuda, gloo: cpu), or initialize with backend='cpu:gloo,cuda:nccl'."
-        )
+        fix = "move u to one the backend handles (nccl: cuda, gloo: cpu), or use backend='cpu:gloo,cuda:nccl'"
+        raise ValueError(f"u is on {device} but the process group's backend is {backend!r}; {fix}.")
 
 
 class Done:

@@ -92,12 +92,9 @@ def check_interfaces(env, names: list[str]) -> list[str]:
             found = any(n == w if exact else n.startswith(w) for w in wanted for n in names)
             missing = [] if found else wanted
         if missing:
-            raise PreflightError(
-                "interface",
-                f"{var}={value} names {', '.join(missing)}, but this host's interfaces are "
-                f"{', '.join(sorted(names))}; "
-                "set it to the interface on the network between the nodes (see `ip -br addr`), or unset it",
-            )
+            what = f"{var}={value} names {', '.join(missing)}, but this host has {', '.join(sorted(names))}"
+            fix = "name the interface on the network between the nodes (see `ip -br addr`), or unset it"
+            raise PreflightError("interface", f"{what}; {fix}")
         seen.append(f"{var}={value}")
     return seen
 
@@ -117,11 +114,8 @@ def _resolve(host: str, port: int, timeout: float) -> list[tuple]:
     if worker.is_alive():
         raise PreflightError("resolve", f"the master address {host!r} did not resolve within {timeout:.0f} s (DNS?)")
     if "error" in result:
-        raise PreflightError(
-            "resolve",
-            f"the master address {host!r} does not resolve ({result['error']}); check --master_addr / MASTER_ADDR, "
-            "or /etc/hosts and DNS on this node",
-        )
+        what = f"the master address {host!r} does not resolve ({result['error']})"
+        raise PreflightError("resolve", f"{what}; check --master_addr / MASTER_ADDR, /etc/hosts and DNS")
     return list(dict.fromkeys((family, addr) for family, _, _, _, addr in result["infos"]))
 
 
@@ -135,11 +129,8 @@ def _check_port_free(port: int) -> None:
         except OSError as exc:
             if family == socket.AF_INET6 and exc.errno != 98:  # no IPv6 here: fine
                 continue
-            raise PreflightError(
-                "port",
-                f"port {port} is already in use on this node (node 0, the master): another job, or an earlier run "
-                f"still holding it ({exc.strerror}); pick another --master_port / MASTER_PORT",
-            ) from exc
+            what = f"port {port} is already in use on node 0 ({exc.strerror}: another job, or an earlier run)"
+            raise PreflightError("port", f"{what}; pick another --master_port / MASTER_PORT") from exc
 
 
 def _is_local(addrs: list[tuple]) -> bool:
@@ -185,11 +176,9 @@ def _check_reachable(addrs: list[tuple], host: str, port: int, timeout: float) -
         why = "no answer: a wrong address, or a firewall dropping the packets"
     else:
         why = str(last)
-    raise PreflightError(
-        "reach",
-        f"cannot connect to the master {host}:{port} within {timeout:.0f} s of starting ({why}). Is preflight "
-        "running on node 0 with the same --master_addr/--master_port, and is that port open between the nodes?",
-    )
+    what = f"cannot connect to the master {host}:{port} within {timeout:.0f} s of starting ({why})"
+    fix = "run preflight on node 0 with the same --master_addr/--master_port, and open that port between the nodes"
+    raise PreflightError("reach", f"{what}; {fix}")
 
 
 def node_checks(cfg: Config, *, hosts_store: bool) -> list[str]:

@@ -38,14 +38,10 @@ code  check         fails when
 1     (internal)    anything unexpected (a traceback follows)
 ====  ============  ==========================================================================================
 
-Every wait is bounded by ``--timeout`` (default 15 s; start the nodes within that of each other), so a wrong address
-or a closed port is reported in about 15 s after start-up (``tests/test_preflight.py`` asserts under 30 s); a watchdog
-ends any stage that makes no progress. Then rank 0 prints the measured fp32 all-reduce bus bandwidth of the
-intra-node, inter-node and world groups, runs a 1-bit hierarchical all-reduce over both levels (checking that every
-rank gets the same result), and estimates the per-step communication for a model of ``--params`` parameters: bytes
-from :func:`birder_hf.collectives.expected_bytes`, time = bytes / measured bandwidth (an estimate: it ignores overlap
-with the backward pass, latency and the 1-bit codec's compute). ``--json`` prints one JSON object per line instead:
-rank 0's report, or each failing process's error.
+Every wait is bounded by ``--timeout`` (default 15 s; start the nodes within that of each other); a watchdog ends
+any stage that makes no progress. Then rank 0 measures the fp32 all-reduce bandwidth of the intra-node, inter-node and
+world groups, checks a 1-bit hierarchical all-reduce, and estimates the per-step communication for ``--params``
+parameters (``docs/TROUBLESHOOTING.md``). ``--json`` prints one JSON object per line instead.
 """
 
 from __future__ import annotations
@@ -58,7 +54,7 @@ import sys
 import time
 import traceback
 
-from .common import _INTERNAL, CHILD_ENV, EXIT_CODES, Config, PreflightError, check_interfaces, fail, node_checks
+from .common import _INTERNAL, CHILD_ENV, EXIT_CODES, Config, PreflightError, check_interfaces, fail, node_checks  # noqa: F401
 from .ranks import run_rank
 
 __all__ = ["main", "cli", "PreflightError", "EXIT_CODES"]

@@ -66,10 +66,8 @@ def _judge(claims: list[dict]) -> tuple[str, str] | None:
             f"{'s' if n > 1 else ''} per node"
             for (k, n), rs in sorted(layouts.items(), key=lambda kv: min(kv[1]))
         )
-        return "layout", (
-            f"ranks disagree on nodes x ranks per node ({said}). Launch every node with the same --nnodes and "
-            "--nproc_per_node (accelerate: num_machines, num_processes)"
-        )
+        fix = "pass every node the same --nnodes and --nproc_per_node (accelerate: num_machines, num_processes)"
+        return "layout", f"ranks disagree on nodes x ranks per node ({said}); {fix}"
     by_rank: dict[int, list[dict]] = {}
     by_node: dict[int, set[str]] = {}
     for c in claims:
@@ -81,10 +79,8 @@ def _judge(claims: list[dict]) -> tuple[str, str] | None:
             return "layout", f"{len(cs)} processes claim rank {rank} (on {hosts}): give every node its own --node_rank"
     for node, hosts in sorted(by_node.items()):
         if len(hosts) > 1:
-            return "layout", (
-                f"node_rank {node} is claimed by several hosts ({', '.join(sorted(hosts))}): give every node its own "
-                "--node_rank"
-            )
+            what = f"node_rank {node} is claimed by several hosts ({', '.join(sorted(hosts))})"
+            return "layout", f"{what}: give every node its own --node_rank"
     backends = {c["backend"] for c in claims}
     if len(backends) > 1:
         return "backend", f"ranks disagree on the backend ({', '.join(sorted(backends))}); pass --backend everywhere"

@@ -14,29 +14,13 @@
     accelerator.load_state(path)   # and every rank loads its own
 
 After a restart (``torchrun --max-restarts N``), ``load_resumable_state(accelerator, folder)`` loads the newest
-checkpoint under ``folder`` that is complete on every rank (``ProjectConfiguration(automatic_checkpoint_naming=True)``:
-``project_dir/checkpoints/checkpoint_N``, the default folder; or any folder of checkpoints whose names end in their
-number), or starts fresh.
+checkpoint under ``folder`` that is complete on every rank, or starts fresh.
 
-The same call registers ``onebit_adam_hook`` for a ``OneBitAdam`` optimizer (1-bit Adam, the paper's compressed
-baseline), with the same per-rank checkpoints.
-
-Sharded models (FSDP2, ``birder_hf.fsdp``): shard the model yourself with ``fully_shard(..., mesh=mesh["shard"])`` on a
-2-D ``(replicate, shard)`` mesh, prepare only the optimizer and data loaders (accelerate refuses to wrap a sharded
-model in DDP), then ``register_birder_hook(accelerator, model, optimizer, mesh=mesh)``: FSDP reduce-scatters inside
-each node in full precision, Birder sends 1 bit across the nodes. accelerate's own FSDP plugin (GPUs only) shards on
-its ``dp_shard`` dimension for plain FSDP (accepted: nothing crosses a replicate dimension, Birder runs uncompressed
-with a warning) and on the 2-D ``(dp_replicate, dp_shard)`` mesh for HSDP, which all-reduces gradients across nodes
-in full precision before Birder sees them: refused, with this recipe as the fix.
-
-``accelerate``'s ``DistributedDataParallelKwargs(comm_hook=...)`` only takes its built-in hooks (a
-callable is ignored), hence this function. ``mixed_precision="fp16"`` works: Birder takes the loss-scaled gradients
-as they are, and an overflow on any rank skips the step everywhere (``optimizer.step_was_skipped``) and backs the
-scale off (``birder_hf.communicators.HookState``); 1-bit Adam is refused with fp16.
-
-Do not call ``accelerator.clip_grad_norm_`` with Birder: after the hook, ``.grad`` holds the direction ``d`` in
-``[-1, 1]``, and each step moves a coordinate by at most ``lr * (1 + weight_decay * |x|)`` by construction (with fp16
-it would also un-scale ``.grad``, which Birder refuses with an error).
+The same call registers ``onebit_adam_hook`` for a ``OneBitAdam`` optimizer, and the FSDP hook for a model sharded
+with ``fully_shard(..., mesh=mesh["shard"])`` (pass ``mesh=``; prepare only the optimizer and data loaders).
+``DistributedDataParallelKwargs(comm_hook=...)`` only takes accelerate's built-in hooks (a callable is ignored), hence
+this function. fp16, accelerate's FSDP plugin (HSDP refused), and why not to call ``accelerator.clip_grad_norm_``:
+``docs/SETUPS.md`` ("accelerate", "Sharded training: 1-bit HSDP").
 """
 
 from __future__ import annotations
@@ -53,6 +37,7 @@ from ..checkpoint import (
     find_resumable_checkpoint,
     mark_checkpoint_complete,
     numbered_checkpoints,
+    on_rank_zero,
     read_own_rank_state,
     save_rank_state,
 )
@@ -85,25 +70,17 @@ def check_really_distributed(num_processes: int) -> None:
     """
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
     if env_world > 1 and num_processes != env_world:
-        raise RuntimeError(
-            explain(
-                f"The launcher started WORLD_SIZE={env_world} processes but this one sees a world of {num_processes}: "
-                "they are not really distributed",
-                "on CPU use `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu ...` or `torchrun`",
-            )
-        )
+        what = f"WORLD_SIZE={env_world} processes were started, this one sees {num_processes}: not really distributed"
+        raise RuntimeError(explain(what, "on CPU use ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu, or torchrun"))
 
 
 def check_elastic_restart() -> None:
     """Raise, before the process group is set up, if torchrun restarted this worker on the store of the last attempt.
 
-    torchrun's c10d rendezvous shares its TCPStore with the workers by default (``TORCHELASTIC_USE_AGENT_STORE=True``)
-    and, in torch 2.14.1 (measured: ``tests/test_elastic.py``), keeps that store across restarts: a restarted worker
-    reads the addresses the previous attempt's ranks published and the process group's setup fails after its connect
-    timeouts, so every restart fails the same way (pytorch/pytorch#135712). With
-    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment each attempt gets a new store, and a restart
-    resumes. Call this first in a script run
-    with ``torchrun --max-restarts N`` (before ``TrainingArguments`` or ``Accelerator`` set up the process group).
+    torchrun's c10d rendezvous shares its TCPStore with the workers by default and, in torch 2.14.1
+    (``tests/test_elastic.py``), keeps it across restarts: a restarted worker's process group setup then fails every
+    time (pytorch/pytorch#135712); ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives each attempt a new store. Call this
+    first in a script run with ``torchrun --max-restarts N``, before the process group is set up.
     """
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if restart not in ("", "0") and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -130,12 +107,10 @@ def register_birder_hook(accelerator, model, optimizer, *, topology: Topology | 
             ``accelerator.scaler``, the fp16 loss scaler, whose scale the hook divides out).
 
     Returns:
-        The hook state (its ``stats`` hold the bytes sent), or ``None`` in a single process, where
-        there is no communication to compress.
+        The hook state (its ``stats`` hold the bytes sent), or ``None`` in a single process.
 
-    Also registers ``save_state``/``load_state`` hooks that write and read every rank's own optimizer
-    state (``birder_hf.checkpoint``), and makes this accelerator's ``save_state`` mark each checkpoint complete
-    (``birder_complete.json``) once every rank has written all its files, for :func:`load_resumable_state`.
+    Also makes ``save_state``/``load_state`` write and read every rank's own optimizer state, and ``save_state`` mark
+    each checkpoint complete once every rank has written it (for :func:`load_resumable_state`).
     """
     inner = unwrap_optimizer(optimizer)
     error = None
@@ -149,10 +124,8 @@ def register_birder_hook(accelerator, model, optimizer, *, topology: Topology | 
         handler = getattr(accelerator, "ddp_handler", None)
         builtin = getattr(handler, "comm_hook", None)
         if builtin is not None and str(getattr(builtin, "value", builtin)).lower() not in ("no", "none"):
-            raise ValueError(
-                f"DistributedDataParallelKwargs(comm_hook={builtin}) already asks for a built-in hook; DDP allows "
-                "one hook per model. Drop comm_hook from the kwargs handler to use Birder's 1-bit hook."
-            )
+            what = f"DistributedDataParallelKwargs(comm_hook={builtin}) asks for a built-in hook, and DDP allows one"
+            raise ValueError(explain(what, "drop comm_hook from the kwargs handler"))
         if not inner.loss_scaling and getattr(accelerator, "scaler", None) is not None:
             raise ValueError(
                 explain("1-bit Adam cannot train with fp16 loss scaling", "use mixed_precision='bf16' (or Birder)")
@@ -190,9 +163,8 @@ def report_skipped_step(optimizer, skipped: bool) -> None:
     """Tell accelerate that ``optimizer``'s last step was skipped (``Accelerator.optimizer_step_was_skipped``, which
     the Trainer and ``AcceleratedScheduler`` read to hold the learning-rate schedule back).
 
-    accelerate only knows the steps a ``GradScaler`` skipped (``AcceleratedOptimizer.step_was_skipped``); a step Birder
-    skipped itself (a rank had a non-finite gradient, without a scaler) is set here on the same flag. With a scaler,
-    accelerate's own answer stands unless Birder skipped. Call it after ``optimizer.step()``.
+    accelerate only knows the steps a ``GradScaler`` skipped; a step Birder skipped itself is set here on the same
+    flag. Call it after ``optimizer.step()``.
     """
     if not hasattr(optimizer, "step_was_skipped") or not hasattr(optimizer, "_is_overflow"):
         return  # not accelerate's AcceleratedOptimizer
@@ -227,42 +199,27 @@ def load_resumable_state(accelerator, checkpoints_dir: str | os.PathLike | None 
             ``ProjectConfiguration(automatic_checkpoint_naming=True)``: ``project_dir/checkpoints``.
         **load_kwargs: passed to ``accelerator.load_state``.
 
-    The checkpoints are the sub-folders whose names end in a number, newest (highest number) first, as accelerate's
-    own ``load_state()`` orders them; the first one whose ``birder_complete.json`` is there and whose files all match
-    it is loaded (``accelerator.load_state``: every rank takes its own Birder state). Newer ones that are not
-    complete (a job killed while saving them) are named in a warning and left alone; the choice, or "starting fresh",
-    is one log line. With automatic naming, the next ``save_state`` goes after the highest number present (accelerate
-    would otherwise write ``checkpoint_0`` again and refuse an existing folder). Collective: every rank calls it, and
-    rank 0's choice is every rank's.
+    The checkpoints are the sub-folders whose names end in a number, highest first (as accelerate orders them); the
+    first one marked complete (``birder_hf.checkpoint.checkpoint_problem``) is loaded, newer incomplete ones are named
+    in a warning. With automatic naming, the next ``save_state`` goes after the highest number present (accelerate
+    would write ``checkpoint_0`` again). Collective: rank 0's choice is every rank's.
     """
     config = accelerator.project_configuration
     if checkpoints_dir is None:
         if not config.automatic_checkpoint_naming:
-            raise ValueError(
-                "load_resumable_state needs the folder that holds the checkpoints: pass checkpoints_dir=..., or use "
-                "Accelerator(project_config=ProjectConfiguration(project_dir=..., automatic_checkpoint_naming=True))."
-            )
+            what = "load_resumable_state needs the folder that holds the checkpoints"
+            raise ValueError(explain(what, "pass checkpoints_dir=..., or use automatic_checkpoint_naming=True"))
         checkpoints_dir = os.path.join(accelerator.project_dir, "checkpoints")
     folder = os.path.expanduser(os.fspath(checkpoints_dir))
     path = find_resumable_checkpoint(folder, pattern=_NUMBERED)
     automatic = os.path.join(accelerator.project_dir or "", "checkpoints")
     if config.automatic_checkpoint_naming and os.path.abspath(folder) == os.path.abspath(automatic):
-        numbers = [n for n, _ in numbered_checkpoints(folder, _NUMBERED)]
         # rank 0's listing: every rank must name the next checkpoint alike
-        config.iteration = max(config.iteration, _rank_zero_value(max(numbers, default=-1) + 1))
+        last = on_rank_zero(lambda: max((n for n, _ in numbered_checkpoints(folder, _NUMBERED)), default=-1))
+        config.iteration = max(config.iteration, last + 1)
     if path is not None:
         accelerator.load_state(path, **load_kwargs)
     return path
-
-
-def _rank_zero_value(value):
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-    return value
 
 
 def _register_checkpoint_hooks(accelerator, optimizer: OneBitOptimizer) -> None:

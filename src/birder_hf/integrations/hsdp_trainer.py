@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 
+from ..base import explain
 from ..fsdp import hsdp_mesh, shard_model
 from . import needs_extra
 
@@ -45,15 +46,10 @@ class ShardedTrainerMixin:
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("sharding='hsdp' needs a distributed launch (torchrun or accelerate launch).")
         if self.optimizer is not None:
-            raise ValueError(
-                "sharding='hsdp' creates the optimizer after sharding the model; pass optimizer_cls_and_kwargs= "
-                "instead of an optimizer instance (optimizers=)."
-            )
+            what = "sharding='hsdp' creates the optimizer after sharding the model"
+            raise ValueError(explain(what, "pass optimizer_cls_and_kwargs= instead of an optimizer (optimizers=)"))
         if self.args.fsdp or self.args.deepspeed:
-            raise ValueError(
-                "sharding='hsdp' shards the model itself; drop --fsdp/--deepspeed (accelerate's FSDP plugin would "
-                "shard it again, and DeepSpeed reduces gradients its own way)."
-            )
+            raise ValueError(explain("sharding='hsdp' shards the model itself", "drop --fsdp/--deepspeed"))
         mesh = hsdp_mesh(num_nodes if num_nodes is not None else _launcher_nodes(), self.args.device.type)
         shard_model(self.model, mesh if across_nodes else mesh["shard"])
         self.birder_mesh = mesh
@@ -111,10 +107,8 @@ def _launcher_nodes() -> int:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
     world = dist.get_world_size()
     if local < 1 or world % local:
-        raise ValueError(
-            f"LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE')!r} gives no node layout of {world} ranks; pass "
-            "--num_nodes."
-        )
+        what = f"LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE')!r} gives no node layout of {world} ranks"
+        raise ValueError(explain(what, "pass --num_nodes"))
     return world // local
 
 
@@ -154,18 +148,11 @@ def _model_keys(model, saved: dict, folder: str) -> dict:
     unexpected = [k for k in saved if rename.get(k, k) not in own]
     if missing or unexpected:
         show = lambda keys: f"{keys[:6]}{f' and {len(keys) - 6} more' if len(keys) > 6 else ''}"  # noqa: E731
-        raise ValueError(
-            f"The weights in {folder} do not match the model ({type(model).__name__}): "
-            + "; ".join(
-                part
-                for part in (
-                    f"{len(missing)} of its {len(own)} keys are not there: {show(missing)}" if missing else "",
-                    f"{len(unexpected)} saved keys are not the model's: {show(unexpected)}" if unexpected else "",
-                )
-                if part
-            )
-            + ". Nothing was loaded: resume with the model (class and config) that wrote the checkpoint."
-        )
+        parts = [f"{len(missing)} of its {len(own)} keys are not there: {show(missing)}"] if missing else []
+        parts += [f"{len(unexpected)} saved keys are not the model's: {show(unexpected)}"] if unexpected else []
+        what = f"The weights in {folder} do not match the model ({type(model).__name__}): {'; '.join(parts)}"
+        fix = "resume with the model (class and config) that wrote the checkpoint"
+        raise ValueError(explain(f"{what}. Nothing was loaded", fix))
     return state
 
 

@@ -23,31 +23,16 @@ uses are public ``Strategy`` methods:
 - ``optimizer_step``: logs the communication statistics (``birder/bytes_sent``, ``birder/compression_ratio``,
   ...; ``onebit_adam/...`` for 1-bit Adam) through ``LightningModule.log``, so every Lightning logger gets them;
 - ``save_checkpoint`` / ``remove_checkpoint``: Lightning writes rank 0's optimizer state only; every rank also
-  writes its own Birder state beside the checkpoint, in ``<checkpoint>.birder/`` (``birder_state_dir``; the
-  files inside are ``birder_hf.checkpoint``'s usual ``birder/rank_00003-of-00008.pt``), and removes it with
-  the checkpoint (``ModelCheckpoint(save_top_k=...)``); once every rank has written, rank 0 writes
-  ``birder_complete.json`` into that folder, last and atomically, listing the ``.ckpt`` and every rank's file;
+  writes its own Birder state beside the checkpoint, in ``<checkpoint>.birder/`` (``birder_state_dir``), removed with
+  the checkpoint; once every rank has written, rank 0 marks it complete (``birder_complete.json``, listing the
+  ``.ckpt`` too);
 - ``load_checkpoint`` / ``load_optimizer_state_dict``: after Lightning loaded rank 0's optimizer state into
   every rank, each rank loads its own, so ``fit(ckpt_path=...)`` continues bit for bit. A checkpoint without
-  that folder is an error, never a silent reset to rank 0's state; so is one that is not complete (no marker, or a
-  file that no longer matches it: ``ckpt_path="last"`` after a job died while rewriting ``last.ckpt``), refused on
-  every rank before any state loads.
+  that folder, or not complete, is refused on every rank before any state loads (never a silent reset).
 
-fp16 (``"16-mixed"``) trains with loss scaling: under the hook Birder takes the scaled gradients as they are and tells
-Lightning's ``MixedPrecision`` plugin not to un-scale ``.grad`` (``_step_supports_amp_scaling``); an overflow on any
-rank skips the step everywhere and backs the scale off (``birder_hf.communicators.HookState``).
-
-Refused at setup, each with a ``ValueError``/``TypeError`` that says how to fix it: 1-bit Adam with
-``"16-mixed"`` (its step depends on the loss scale: use ``"bf16-mixed"``), ``gradient_clip_val`` (after the hook
-``.grad`` holds the direction ``d`` in ``[-1, 1]``: a step moves a coordinate by at most
-``lr * (1 + weight_decay * |x|)``), an optimizer that is not Birder/OneBitAdam, several optimizers (also under manual
-optimization), and, at construction, a second hook (``ddp_comm_hook``,
-``ddp_comm_state``, ``ddp_comm_wrapper``) or post-local SGD (``model_averaging_period``). Other strategies
-(``"ddp"``, FSDP, DeepSpeed) have no 1-bit path: with ``strategy="ddp"`` Birder trains on fp32 all-reduced
-gradients and warns once.
-
-Gradient accumulation: ``Trainer(accumulate_grad_batches=N)`` runs the first N-1 micro-batches under DDP's
-``no_sync``; the hook sees the accumulated gradient once per optimizer step.
+fp16 (``"16-mixed"``) and ``accumulate_grad_batches`` work; what is refused at setup (each with the fix), and why:
+``docs/SETUPS.md`` ("PyTorch Lightning"). Other strategies (``"ddp"``, FSDP, DeepSpeed) have no 1-bit path: with
+``strategy="ddp"`` Birder trains on fp32 all-reduced gradients and warns once.
 
 Local checkpoints only: the per-rank files are written with plain file I/O (a local or mounted directory);
 Lightning's ``.ckpt`` itself may go anywhere its ``CheckpointIO`` supports.
@@ -64,6 +49,7 @@ from ..checkpoint import (
     MARKER,
     checkpoint_problem,
     clear_completion_marker,
+    gather_reports,
     mark_checkpoint_complete,
     read_own_rank_state,
     save_rank_state,
@@ -94,10 +80,9 @@ def birder_state_dir(checkpoint_path: str | os.PathLike) -> str:
     """
     path = os.fspath(checkpoint_path)
     if "://" in path:
+        what = f"BirderDDPStrategy writes each rank's state with local file I/O, but {path!r} is a remote URL"
         raise ValueError(
-            f"BirderDDPStrategy writes each rank's optimizer state with local file I/O, but the checkpoint path "
-            f"{path!r} is a remote URL; save checkpoints to a local or mounted directory "
-            "(ModelCheckpoint(dirpath=...))."
+            explain(what, "save checkpoints to a local or mounted directory (ModelCheckpoint(dirpath=...))")
         )
     return os.path.realpath(path) + ".birder"
 
@@ -113,14 +98,10 @@ def find_resumable_lightning_checkpoint(dirpath: str | os.PathLike) -> str | Non
     """The newest ``.ckpt`` in ``dirpath`` (``ModelCheckpoint(dirpath=...)``) that is complete on every rank, or
     ``None``: pass it as ``trainer.fit(model, ckpt_path=...)`` (``None`` starts fresh).
 
-    Complete: ``BirderDDPStrategy`` wrote its ``<name>.ckpt.birder/birder_complete.json`` after every rank had written
-    its Birder state and rank 0 the ``.ckpt``, and every file it lists is still there with the same size. Newest: the
-    latest written (the ``.ckpt``, a ``save_last="link"`` link, or its Birder folder), as ``ckpt_path="last"`` picks by
-    time; so ``last.ckpt`` is chosen when it is complete, and an earlier checkpoint when the job died while rewriting
-    it. Newer checkpoints that are not complete are named in a warning and left alone; the choice, or "starting
-    fresh", is one line of rank 0's log. Reads only the file system (call it before ``fit``, where Lightning has not
-    yet started its process group): on a shared disk every rank finds the same one, and the strategy refuses to
-    resume ranks that disagree.
+    Complete: its ``<name>.ckpt.birder/birder_complete.json`` is there and every file it lists has the size it lists.
+    Newest: the latest written, as ``ckpt_path="last"`` picks by time (so an earlier checkpoint when the job died
+    while rewriting ``last.ckpt``). Newer incomplete ones are named in a warning and left alone. Reads only the file
+    system (call it before ``fit``); the strategy refuses to resume ranks that disagree.
     """
     folder = os.fspath(dirpath)
     if "://" in folder:
@@ -166,38 +147,28 @@ def _check_precision(precision: str, opt) -> None:
 def _one_bit_optimizer(optimizers: list, automatic_optimization: bool) -> Birder | OneBitAdam:
     if len(optimizers) != 1:
         mode = "automatic" if automatic_optimization else "manual"
-        what = (
-            "BirderDDPStrategy needs exactly one Birder or OneBitAdam (DDP takes one hook), but "
-            f"configure_optimizers returned {len(optimizers)} ({mode} optimization)"
-        )
-        raise ValueError(explain(what, "put all parameters into one Birder (param groups may differ)"))
+        what = f"BirderDDPStrategy: configure_optimizers returned {len(optimizers)} ({mode} optimization)"
+        fix = "put all parameters into one Birder or OneBitAdam (param groups may differ): DDP takes one hook"
+        raise ValueError(explain(what, fix))
     opt = optimizers[0]
     if not isinstance(opt, _ONE_BIT):
-        raise TypeError(
-            f"BirderDDPStrategy needs configure_optimizers to return a birder_hf.Birder (or OneBitAdam), got "
-            f"{type(opt).__name__}. Return Birder(self.parameters(), lr=..., beta=0.95), or use strategy='ddp' for "
-            "other optimizers."
-        )
+        what = f"configure_optimizers must return a birder_hf.Birder (or OneBitAdam), got {type(opt).__name__}"
+        raise TypeError(explain(what, "return Birder(self.parameters(), lr=...), or use strategy='ddp'"))
     return opt
 
 
 def _comm_metrics(state) -> dict[str, float]:
-    if isinstance(state, BirderHookState):
-        if not state.steps_communicated:
-            return {}
-        prefix, extra = "birder/", {"birder/skipped_steps": state.skipped_steps}
-    else:
-        if not state.warmup_steps + state.compressed_steps:
-            return {}
-        prefix, extra = "onebit_adam/", {"onebit_adam/compressed_steps": state.compressed_steps}
-    s = state.stats
+    if not state.steps_communicated:  # 1-bit Adam: its warm-up and compressed steps together
+        return {}
+    prefix, s = state.optimizer.metrics_prefix, state.stats
+    extra = "skipped_steps" if isinstance(state, BirderHookState) else "compressed_steps"
     out = {
         prefix + "bytes_sent": s.total_bytes,
         prefix + "intra_node_bytes": s.intra_node_bytes,
         prefix + "inter_node_bytes": s.inter_node_bytes,
         prefix + "fp32_allreduce_bytes": s.fp32_allreduce_bytes,
         prefix + "compression_ratio": s.compression_ratio,
-        **extra,
+        prefix + extra: getattr(state, extra),
     }
     return {k: float(v) for k, v in out.items()}
 
@@ -242,15 +213,11 @@ class BirderDDPStrategy(DDPStrategy):
     ):
         for name in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper"):
             if kwargs.get(name) is not None:
-                raise ValueError(
-                    f"BirderDDPStrategy registers Birder's 1-bit hook itself and DDP allows one hook per model; drop "
-                    f"{name}=... (or use DDPStrategy for another hook)."
-                )
+                what = "BirderDDPStrategy registers Birder's hook itself, and DDP allows one"
+                raise ValueError(explain(what, f"drop {name}=... (or use DDPStrategy for another hook)"))
         if kwargs.get("model_averaging_period") is not None:
-            raise ValueError(
-                "model_averaging_period asks for post-local SGD, which averages parameters instead of gradients and "
-                "cannot be combined with Birder's 1-bit hook; drop it."
-            )
+            what = "model_averaging_period asks for post-local SGD, which averages parameters, not gradients"
+            raise ValueError(explain(what, "drop it: it cannot be combined with Birder's 1-bit hook"))
         check_settings(method, inter_method, chunk_numel)
         if hierarchy_num_nodes is not None and int(hierarchy_num_nodes) < 1:
             raise ValueError(f"hierarchy_num_nodes={hierarchy_num_nodes} must be a positive number of nodes.")
@@ -281,10 +248,8 @@ class BirderDDPStrategy(DDPStrategy):
             return Topology.from_layout(self.num_nodes, self.num_processes)
         k = int(self.hierarchy_num_nodes)
         if self.world_size % k:
-            raise ValueError(
-                f"hierarchy_num_nodes={k} does not divide the world size {self.world_size} "
-                f"({self.num_nodes} nodes x {self.num_processes} devices); choose a divisor."
-            )
+            what = f"hierarchy_num_nodes={k} does not divide the world size {self.world_size}"
+            raise ValueError(explain(what, "choose a divisor"))
         return Topology.from_layout(k, self.world_size // k)
 
     def _register_hook(self, opt: Birder | OneBitAdam):
@@ -331,9 +296,8 @@ class BirderDDPStrategy(DDPStrategy):
         if write and not os.path.isfile(ckpt):
             write = False
             rank_zero_warn(
-                f"{filepath} was not on disk after rank 0 saved it (an asynchronous CheckpointIO?), so it is not "
-                "marked complete: find_resumable_lightning_checkpoint will not choose it, and the strategy will not "
-                "resume from it."
+                f"{filepath} was not on disk after rank 0 saved it (an asynchronous CheckpointIO?): it is not marked "
+                "complete, so nothing will resume from it."
             )
         mark_checkpoint_complete(
             folder,
@@ -373,18 +337,11 @@ class BirderDDPStrategy(DDPStrategy):
         problem = None
         if os.path.isdir(birder_state_dir(path)):
             problem = _lightning_checkpoint_problem(path)
-        import torch.distributed as dist
-
-        reports = [(path, problem)]
-        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
-            reports = [None] * dist.get_world_size()
-            dist.all_gather_object(reports, (path, problem))
+        reports = gather_reports((path, problem), self.world_size)
         paths = {p for p, _ in reports}
         if len(paths) > 1:
-            raise RuntimeError(
-                f"The ranks would resume from different checkpoints ({', '.join(sorted(paths))}); pass every rank "
-                "the same ckpt_path (find_resumable_lightning_checkpoint on a disk that every rank sees)."
-            )
+            what = f"The ranks would resume from different checkpoints ({', '.join(sorted(paths))})"
+            raise RuntimeError(explain(what, "pass every rank the same ckpt_path (on a disk that every rank sees)"))
         bad = next(((r, p) for r, (_, p) in enumerate(reports) if p is not None), None)
         if bad is not None:
             rank, problem = bad

@@ -13,6 +13,7 @@ timm then builds its usual parameter groups (no weight decay for biases, norm we
 
 from __future__ import annotations
 
+from ..base import explain
 from ..optim import Birder
 
 __all__ = ["register_with_timm", "TIMM_NAME"]
@@ -41,10 +42,8 @@ def register_with_timm(name: str = TIMM_NAME) -> None:
         if existing.opt_class is Birder:
             return
         owner = getattr(existing.opt_class, "__name__", existing.opt_class)
-        raise ValueError(
-            f"timm already has an optimizer named {name.lower()!r} ({owner}); registering Birder under that name "
-            f"would replace timm's own in the whole process. Pick a free name, e.g. register_with_timm('{TIMM_NAME}')."
-        )
+        what = f"timm already has an optimizer named {name.lower()!r} ({owner}); Birder would replace timm's own"
+        raise ValueError(explain(what, f"Pick a free name, e.g. register_with_timm('{TIMM_NAME}')"))
     default_registry.register(
         OptimInfo(
             name=name,

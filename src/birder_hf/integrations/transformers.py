@@ -20,21 +20,12 @@ from the newest checkpoint complete on every rank, or starts fresh; ``_get_grad_
 For your own Trainer subclass: ``class MyTrainer(BirderTrainerMixin, Seq2SeqTrainer): ...``.
 ``optimizer_cls_and_kwargs=(Birder, {...})`` and ``optimizers=(Birder(...), None)`` work too.
 
-What it changes, on purpose:
-- ``max_grad_norm``: the Trainer would clip ``.grad`` after backward, which with the hook holds the
-  direction ``d`` in ``[-1, 1]`` (each step moves a coordinate by at most ``lr * (1 + weight_decay * |x|)``, by
-  construction); clipping it is meaningless, so a positive ``max_grad_norm`` (default 1.0) is set to 0 with a
-  warning, in the Trainer's own copy of the ``TrainingArguments`` (the caller's object is left as it was).
-- ``optim``: an ``optim`` other than the default would be ignored (BirderTrainer builds Birder or 1-bit Adam), so it
-  is refused at construction.
-- ``grad_norm`` is not logged: the Trainer would log the norm of ``.grad``, which holds ``d`` after the hook, and with
-  fp16 it would un-scale ``.grad`` to compute it.
-- a step Birder skipped (a rank had a non-finite gradient) is reported to the Trainer as skipped, as a ``GradScaler``
-  overflow is: the learning-rate scheduler does not advance.
-- ``fp16`` trains with loss scaling (Birder's ``u = m / b`` does not depend on the scale; see
-  ``birder_hf.communicators.HookState``); 1-bit Adam is refused with ``fp16`` (use ``bf16``).
-- the Trainer's own ``--fsdp`` and DeepSpeed are refused at construction: for sharded training use
-  ``BirderArguments(sharding="hsdp")`` (below).
+What it changes, on purpose (``docs/SETUPS.md``, "Hugging Face Trainer"): a positive ``max_grad_norm`` is set to 0
+with a warning, in the Trainer's own copy of the ``TrainingArguments`` (after the hook ``.grad`` holds the direction
+``d``: clipping it is meaningless); no ``grad_norm`` is logged (the norm of ``d``); a step Birder skipped holds the
+learning-rate schedule back; ``fp16`` trains with loss scaling. Refused at construction: an ``optim`` other than the
+default (it would be ignored), 1-bit Adam with ``fp16``, the Trainer's own ``--fsdp`` and DeepSpeed (for sharded
+training use ``BirderArguments(sharding="hsdp")``, below).
 
 Sharded training (``BirderArguments(sharding="hsdp")``, our extension of the paper, ``birder_hf.fsdp``): the
 Trainer shards the model itself with FSDP2 on the ``"shard"`` dimension of a ``(nodes, ranks per node)`` mesh (every
@@ -121,10 +112,7 @@ class BirderArguments:
     amsgrad: bool = field(default=False, metadata={"help": "Use max_t b_t (the theory's variant)."})
     stale: str = field(
         default=DEFAULT_STALE,
-        metadata={
-            "help": "A coordinate whose gradient is exactly 0 this step: fade (its vote fades by beta per such step "
-            "and stops: bounded drift) | lazy (no vote) | keep (the paper's literal update: it keeps moving)."
-        },
+        metadata={"help": "A 0 gradient: fade (vote decays by beta: bounded drift) | lazy (no vote) | keep (paper)."},
     )
     lazy: bool | None = field(default=None, metadata={"help": "Deprecated: --stale lazy (true) or keep (false)."})
     quantize: bool = field(
@@ -132,17 +120,11 @@ class BirderArguments:
     )
     num_nodes: int | None = field(
         default=None,
-        metadata={
-            "help": "Override the launcher's node layout (LOCAL_WORLD_SIZE): split the ranks into this many nodes, "
-            "e.g. --num_nodes 2 with 4 processes on one machine simulates 2 nodes x 2 for the hierarchical method."
-        },
+        metadata={"help": "Nodes to split the ranks into (overrides LOCAL_WORLD_SIZE; simulates nodes on one host)."},
     )
     sharding: str = field(
         default="none",
-        metadata={
-            "help": "none (DDP: every rank holds the whole model) | hsdp (FSDP2 inside each node, 1 bit across the "
-            "nodes; nodes from --num_nodes or the launcher's LOCAL_WORLD_SIZE)."
-        },
+        metadata={"help": "none (DDP: each rank holds the whole model) | hsdp (FSDP2 in each node, 1 bit across)."},
     )
     comm_method: str | None = field(default=None, metadata={"help": "Deprecated name of --method."})
 
@@ -174,10 +156,8 @@ class BirderArguments:
             if problem is not None:
                 raise ValueError(f"Invalid {name}={getattr(self, name)!r}: {problem.format(name=name)}.")
         if self.num_nodes is not None and not (is_integer(self.num_nodes) and self.num_nodes >= 1):
-            raise ValueError(
-                f"Invalid num_nodes={self.num_nodes!r}: num_nodes must be None (the launcher's layout) or an int >= 1 "
-                "that divides the number of processes."
-            )
+            what = f"Invalid num_nodes={self.num_nodes!r}"
+            raise ValueError(explain(what, "pass None (the launcher's layout) or an int >= 1 dividing the processes"))
         if self.sharding not in ("none", "hsdp"):
             raise ValueError(f"sharding={self.sharding!r}; choose none or hsdp.")
 
@@ -267,8 +247,7 @@ class BirderTrainerMixin(ShardedTrainerMixin):
         _check_supported_setup(self.args, birder_args, self)
         if self.args.max_grad_norm and self.args.max_grad_norm > 0:
             logger.warning(
-                "Birder: max_grad_norm=%s set to 0. After the 1-bit hook, .grad holds the direction d in [-1, 1] "
-                "(a step moves a coordinate by at most lr * (1 + weight_decay * |x|)); clipping it is meaningless.",
+                "Birder: max_grad_norm=%s set to 0: .grad holds the 1-bit direction d, whose step lr bounds already.",
                 self.args.max_grad_norm,
             )
             self.args.max_grad_norm = 0.0
@@ -402,10 +381,8 @@ def _check_supported_setup(args, b: BirderArguments, trainer=None) -> None:
         what = f"TrainingArguments.optim={optim!r}: BirderTrainer trains with {name} and would ignore it"
         raise ValueError(explain(what, f"Leave --optim at its default ({getattr(default, 'value', default)!r})"))
     if args.fp16 and b.optimizer == "onebitadam":
-        raise ValueError(
-            "1-bit Adam cannot train with fp16 loss scaling: its hook encodes the scaled gradients, and Adam's step "
-            "depends on their scale. Use --bf16 (Birder itself trains with --fp16)."
-        )
+        what = "1-bit Adam cannot train with fp16 loss scaling (Adam's step depends on the scale)"
+        raise ValueError(explain(what, "use --bf16 (Birder itself trains with --fp16)"))
     sharded = [
         name
         for name, on in (
