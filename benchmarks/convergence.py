@@ -128,6 +128,7 @@ def _method_args(task: str, method: str, cfg: Config) -> tuple[int, list[str]]:
     if task == "bert":
         batch = cfg.bert_batch * (cfg.nproc if nproc == 1 else 1)  # same global batch in one process
         args += ["--learning_rate", str(cfg.bert_lr[opt]), "--per_device_train_batch_size", str(batch)]
+        args += ["--warmup_steps", "0"]  # the stored runs' schedule (the recipe's default before it became 20%)
         if method == "birder-1p":
             args += ["--quantize", "False"]
     else:

@@ -68,6 +68,7 @@ def sweep(task: str, seeds: list[int], works: list[Path], results: Path) -> dict
                                                                     r["step_to_target"] is None],
             "steps_to_target_median": statistics.median(steps), "steps_to_target_worst": steps[-1],
             "final_median": statistics.median(finals), "final_worst": (min if higher else max)(finals),
+            "s_per_step": lr_protocol._s_per_step(task, workers),
         }  # fmt: skip
     return out
 
@@ -96,12 +97,12 @@ def _ranges(seeds: list[int]) -> str:
 
 def report(res: dict, results: Path) -> str:
     key, name = res["metric"], f"seed_sweep_{res['task']}"
-    shown = lambda x: "not reached" if x == math.inf else f"{x:g}"  # noqa: E731
+    shown = lambda x: "not reached" if x == math.inf else f"{x:.0f}"  # noqa: E731
     lines = [
         f"<!-- numbers: docs/results/{name}.json -->",
         f"| variant | lr | warm-up | seeds | reaching the target | missing it | steps to target: median / worst | "
-        f"final {key}: median / worst |",
-        "|---|---:|---:|---|---:|---|---|---|",
+        f"time to target (s), median | final {key}: median / worst |",
+        "|---|---:|---:|---|---:|---|---|---:|---|",
     ]
     for label, v in res["variants"].items():
         seeds = sorted(v["per_seed"])
@@ -109,6 +110,7 @@ def report(res: dict, results: Path) -> str:
             f"| {label} | {v['lr']:g} | {v['warmup']:.0%} | {_ranges(seeds)} | "
             f"{v['reached']} of {len(seeds)} | {', '.join(map(str, v['missed'])) or 'none'} | "
             f"{shown(v['steps_to_target_median'])} / {shown(v['steps_to_target_worst'])} | "
+            f"{shown(v['steps_to_target_median'] * v['s_per_step'])} | "
             f"{v['final_median']:.1f} / {v['final_worst']:.1f} |"
         )
     bands = [(f"{label} (lr {v['lr']:g})", [r["curve"] for r in v["per_seed"].values()])
@@ -120,6 +122,8 @@ def report(res: dict, results: Path) -> str:
         v["steps_to_target_median"], v["steps_to_target_worst"] = map(
             finite, (v["steps_to_target_median"], v["steps_to_target_worst"])
         )
+        median = v["steps_to_target_median"]  # seconds on the TTA table's Ethernet link
+        v["time_to_target_median_s"] = None if median is None else median * v["s_per_step"]
     (results / f"{name}.json").write_text(json.dumps(res, indent=1) + "\n")
     table = "\n".join(lines) + "\n"
     (results / f"{name}.md").write_text(table)

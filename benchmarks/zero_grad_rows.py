@@ -68,6 +68,8 @@ def train(tree: str, out: str, args) -> float:
         str(args.num_nodes),
         "--weight_decay",
         "0",
+        "--warmup_steps",  # the stored run's schedule (the recipe's default before it became 20%)
+        "0",
         "--save_strategy",
         "steps",
         "--save_steps",
