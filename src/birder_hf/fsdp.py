@@ -253,7 +253,8 @@ def _refuse_wrappers(model) -> torch.nn.Module:
         fix = "wrap with fully_shard(module, mesh=mesh['shard']) (accelerate: fsdp_version: 2)"
         raise TypeError(explain(what, fix))
     if "DeepSpeed" in name:
-        raise TypeError(explain("Birder does not run under DeepSpeed (ZeRO reduces gradients itself)", "use FSDP2"))
+        what = "Birder does not run under DeepSpeed (ZeRO reduces gradients itself)"
+        raise TypeError(explain(what, "use FSDP2 or DDP"))
     return inner
 
 
@@ -275,7 +276,8 @@ def _check_model(model, optimizer: Birder, grid: list[list[int]]) -> None:
     rank = dist.get_rank()
     row = next((r for r in grid if rank in r), None)
     if row is None or sum(len(r) for r in grid) != dist.get_world_size():
-        raise ValueError(explain(f"The mesh {grid} must cover every rank once", "build it with hsdp_mesh(num_nodes)"))
+        what = f"The mesh {grid} must cover every rank once (world size {dist.get_world_size()})"
+        raise ValueError(explain(what, "build it with hsdp_mesh(num_nodes)"))
     for name, p in model.named_parameters():
         problem = _parameter_problem(p, row, optimizer) if p.requires_grad else None
         if problem is not None:
