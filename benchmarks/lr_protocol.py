@@ -146,11 +146,8 @@ def report(task: str, results: Path) -> str:
         bands.append((f"{label} (lr {m['chosen']:g})", [r["curve"] for r in h["per_seed"].values()]))
     title = f"{task}: held-out seeds 3-7, median and range"
     sq.plot_seed_bands(bands, key, store["target"], title, results / f"lr_protocol_{task}.png")
-    (results / f"lr_protocol_{task}.json").write_text(json.dumps(store, indent=1) + "\n")  # with the times
     lines.insert(2, f"<!-- numbers: docs/results/lr_protocol_{task}.json -->")
-    table = "\n".join(lines) + "\n"
-    (results / f"lr_protocol_{task}.md").write_text(table)
-    return table
+    return sq.write_results(results / f"lr_protocol_{task}", store, lines)  # the JSON with the times
 
 
 def main(argv=None) -> int:

@@ -124,10 +124,7 @@ def report(res: dict, results: Path) -> str:
         )
         median = v["steps_to_target_median"]  # seconds on the TTA table's Ethernet link
         v["time_to_target_median_s"] = None if median is None else median * v["s_per_step"]
-    (results / f"{name}.json").write_text(json.dumps(res, indent=1) + "\n")
-    table = "\n".join(lines) + "\n"
-    (results / f"{name}.md").write_text(table)
-    return table
+    return sq.write_results(results / name, res, lines)
 
 
 def main(argv=None) -> int:

@@ -192,6 +192,14 @@ def report(args) -> dict:
     return res
 
 
+def write_results(stem: Path, data: dict, table_lines: list[str]) -> str:
+    """``{stem}.json`` (the numbers) and ``{stem}.md`` (the table made of them); returns the table."""
+    Path(f"{stem}.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
+    table = "\n".join(table_lines) + "\n"
+    Path(f"{stem}.md").write_text(table)
+    return table
+
+
 def plot_seed_bands(rows: list[tuple[str, list[dict]]], key: str, target: float, title: str, path: Path) -> None:
     """One line per row (label, its seeds' curves ``{"steps": [...], key: [...]}``): the median over the seeds, with
     their range shaded; the target dashed. Also ``lr_protocol.py``'s figure."""
