@@ -162,7 +162,8 @@ def report(args) -> dict:
     """Per worker count: final metric and first step at the target, median and worst seed; a table and a figure."""
     key, higher = PRIMARY[args.task]
     target, gb = tta_target(args.task), _global_batch(args, args.task)
-    res = {"task": args.task, "metric": key, "global_batch": gb, "target": target, "options": json.loads(args.options),
+    res = {"task": args.task, "metric": key, "global_batch": gb, "target": target, "warmup": _warmup(args),
+           "options": json.loads(args.options),
            "lr": {w: _lr(args, args.task, w) for w in args.workers}, "runs": {}}  # fmt: skip
     reached = (lambda v: v >= target) if higher else (lambda v: v <= target)  # noqa: E731
     for workers in args.workers:
@@ -229,7 +230,7 @@ def _write_table_and_figure(res: dict, stem: Path, args) -> None:
     shown = lambda x: "not reached" if x == float("inf") else f"{x:g}"  # noqa: E731
     lines = [
         f"**{res['task']}** ({key}; global batch {gb} on every row; target {res['target']:.2f}; seeds "
-        f"{', '.join(map(str, args.seeds))}; {args.steps} steps)",
+        f"{', '.join(map(str, args.seeds))}; {args.steps} steps, warm-up {res['warmup']:.0%})",
         "",
         f"<!-- numbers: docs/results/{stem.name}.json -->",
         f"| optimizer | workers n | batch per worker | lr | final {key}: median / worst | steps to target: median / "
