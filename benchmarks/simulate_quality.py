@@ -179,7 +179,8 @@ def report(args) -> dict:
             to_target[seed] = next((e["step"] for e in ev if reached(e[key])), None)
         if finals:
             steps = sorted(x if x is not None else float("inf") for x in to_target.values())
-            res["runs"][workers] = {"n": 1 if workers in BASELINES else math.prod(map(int, workers.split("x"))),
+            n = 1 if workers in BASELINES else math.prod(map(int, workers.split("x")))
+            res["runs"][workers] = {"n": n, "batch_per_worker": gb // n,
                                     "final": finals, "median": statistics.median(finals.values()),
                                     "worst": (min if higher else max)(finals.values()), "step_to_target": to_target,
                                     "step_to_target_median": statistics.median(steps),
