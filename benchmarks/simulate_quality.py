@@ -1,10 +1,11 @@
 """Quality per step at the paper's worker counts (issue 25, item 3), in one process.
 
 Birder with n = k x L simulated workers (``simulate_workers.SimulatedWorkers``: the library's encode, votes and mean;
-bit-equal to a real run at 2 x 2) against AdamW, on a time-to-accuracy task (``system/_tta_worker.py``'s model,
-data and schedule: linear warm-up over 5% of the steps, then linear decay), at the same global batch: worker r of n
-takes elements ``[r b, (r + 1) b)`` of the global batch of step s (b = global / n), so every n sees the same samples
-on every step. AdamW takes the whole global batch in one backward (DDP fp32's average of equal shards).
+bit-equal to a real run at 2 x 2) against AdamW (``adamw``) or SGD with momentum (``sgdm``, the image task's), on a
+time-to-accuracy task (``system/_tta_worker.py``'s model, data and schedule: linear warm-up over 5% of the steps,
+``--warmup`` to change it, then linear decay), at the same global batch: worker r of n takes elements
+``[r b, (r + 1) b)`` of the global batch of step s (b = global / n), so every n sees the same samples on every step.
+The baseline takes the whole global batch in one backward (DDP fp32's average of equal shards).
 
     python benchmarks/simulate_quality.py --task qa --workers 2x2 2x4 4x8 adamw --seeds 0 1 2 --steps 600
     python benchmarks/simulate_quality.py --task qa --report      # docs/results/simulate_quality.json
