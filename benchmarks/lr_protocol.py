@@ -40,9 +40,7 @@ def _args(task, method, lr, options, work, steps, eval_every, warmup=None):
 
 
 def _records(args, method, seed):
-    path = sq._path(args, method, seed)
-    recs = [json.loads(x) for x in path.read_text().splitlines() if x] if path.exists() else []
-    return [r for r in recs if r["kind"] == "eval"] if any(r["kind"] == "done" for r in recs) else None
+    return sq.finished_evals(sq._path(args, method, seed))
 
 
 def summarize(evals: list[dict], key: str, higher: bool, target: float) -> dict:
@@ -57,7 +55,6 @@ def run_method(task, method, grid, options, work, steps, eval_every, warmup=None
     """Tune on TUNE, pick by median (diverged seeds disqualify), run HELD_OUT at the pick. Runs what is missing."""
     key, higher = sq.PRIMARY[task]
     target = sq.tta_target(task)
-    seeds_cache: dict = {}
 
     def runs(lr, seeds):
         a = _args(task, method, lr, options, work, steps, eval_every, warmup)
@@ -67,10 +64,7 @@ def run_method(task, method, grid, options, work, steps, eval_every, warmup=None
                 print(f"[lr_protocol] {task} {method} lr={lr:g} {options} seed {s}", flush=True)
                 sq._run(task, method, s, a, sq._path(a, method, s))
             evals = _records(a, method, s)
-            out[s] = summarize(evals, key, higher, target) | {
-                "curve": {"steps": [e["step"] for e in evals], key: [e[key] for e in evals]}
-            }
-        seeds_cache[lr] = {**seeds_cache.get(lr, {}), **out}
+            out[s] = summarize(evals, key, higher, target) | {"curve": sq.curve(evals, key)}
         return out
 
     tuning = {}

@@ -76,11 +76,9 @@ def sweep(task: str, seeds: list[int], works: list[Path], results: Path) -> dict
 def _curve(task, workers, lr, options, warmup, seed, works, key) -> dict | None:
     for work in works:
         args = argparse.Namespace(task=task, lr=lr, options=json.dumps(options), work=work, warmup=warmup)
-        path = sq._path(args, workers, seed)
-        recs = [json.loads(x) for x in path.read_text().splitlines() if x] if path.exists() else []
-        if any(r["kind"] == "done" for r in recs):
-            ev = [r for r in recs if r["kind"] == "eval"]
-            return {"steps": [e["step"] for e in ev], key: [e[key] for e in ev]}
+        evals = sq.finished_evals(sq._path(args, workers, seed))
+        if evals is not None:
+            return sq.curve(evals, key)
     return None
 
 

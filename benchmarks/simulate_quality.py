@@ -45,7 +45,7 @@ BASELINES = {"adamw": "AdamW", "sgdm": "SGDM"}  # one process, the whole global 
 def _run(task_name: str, workers: str, seed: int, args, out: Path) -> None:
     from _tta_worker import build_task, lr_lambda
 
-    if out.exists() and any(json.loads(x).get("kind") == "done" for x in out.read_text().splitlines() if x):
+    if finished_evals(out) is not None:
         return
     out.unlink(missing_ok=True)
     total = _global_batch(args, task_name)
@@ -154,6 +154,17 @@ def _path(args, workers: str, seed: int) -> Path:
     return args.work / f"{args.task}-{workers}-lr{_lr(args, args.task, workers):g}{tag}-seed{seed}.jsonl"
 
 
+def finished_evals(path: Path) -> list[dict] | None:
+    """A run file's evaluation records, or ``None`` if the run is absent or did not finish."""
+    recs = [json.loads(x) for x in path.read_text().splitlines() if x] if path.exists() else []
+    return [r for r in recs if r["kind"] == "eval"] if any(r["kind"] == "done" for r in recs) else None
+
+
+def curve(evals: list[dict], key: str) -> dict:
+    """``{"steps": [...], key: [...]}``, the form the reports store and plot."""
+    return {"steps": [e["step"] for e in evals], key: [e[key] for e in evals]}
+
+
 def tta_target(task: str) -> float:
     """The time-to-accuracy target: 95% of DDP fp32's median final at the protocol's batch (docs/results/tta.json)."""
     return json.loads((ROOT / "docs" / "results" / "tta.json").read_text())["tasks"][task]["target"]
@@ -171,11 +182,10 @@ def report(args) -> dict:
         finals, curves, to_target = {}, {}, {}
         for seed in args.seeds:
             path = _path(args, workers, seed)
-            recs = [json.loads(x) for x in path.read_text().splitlines() if x] if path.exists() else []
-            if not any(r["kind"] == "done" for r in recs):
+            ev = finished_evals(path)
+            if ev is None:
                 continue
-            ev = [r for r in recs if r["kind"] == "eval"]
-            curves[seed] = {"steps": [e["step"] for e in ev], key: [e[key] for e in ev]}
+            curves[seed] = curve(ev, key)
             finals[seed] = ev[-1][key]
             to_target[seed] = next((e["step"] for e in ev if reached(e[key])), None)
         if finals:
