@@ -393,6 +393,31 @@ def test_async_matches_sync(layout, method, inter_method):
         assert all(torch.equal(a, b) for a, b in zip(results[r][1], results[0][1], strict=True))
 
 
+def _returns_before_peers(rank, world, layout, method):
+    topo = Topology.from_layout(*layout)
+    u = torch.linspace(-1, 1, 4096)
+    sync = onebit_all_reduce(u, topology=topo, method=method, keys=3)  # (a first call checks the ranks agree)
+    if rank == 0:  # the others call only after this rank's call has returned: a blocking call would deadlock
+        fut = onebit_all_reduce(u, topology=topo, method=method, keys=3, async_op=True)
+        pending = not fut.done()
+        torch.distributed.barrier()
+    else:
+        torch.distributed.barrier()
+        fut = onebit_all_reduce(u, topology=topo, method=method, keys=3, async_op=True)
+        pending = True
+    return pending, fut.wait(), sync
+
+
+@pytest.mark.parametrize("layout, method", [((2, 1), "hierarchical"), ((2, 2), "hierarchical"), ((1, 2), "allgather")])
+def test_async_call_returns_before_its_peers_have_called(layout, method):
+    # an async call only starts its exchange: with one rank per node, hierarchical used to run its inter-node step
+    # inside the call (the DDP hook, so backward waited for the network)
+    results = run_distributed(_returns_before_peers, layout[0] * layout[1], layout, method, timeout=60)
+    assert all(pending for pending, _, _ in results)
+    for _, d, sync in results:
+        assert torch.equal(d, sync) and torch.equal(d, results[0][1])
+
+
 # ------------------------------------------------------------------------------------------- bytes
 
 

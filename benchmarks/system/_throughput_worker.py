@@ -134,14 +134,22 @@ def build_optimizer(kind: str, params):
 
 # ---------------------------------------------------------------------------------------------------------- hooks
 class Dispatch:
-    """State of :func:`dispatch_hook`: the hook (and its state) of the method the next step runs."""
+    """State of :func:`dispatch_hook`: the hook (and its state) of the method the next step runs, and the step's
+    timeline (``events``: per bucket, seconds since the step began at the hook's call, at its return and when its
+    Future was done)."""
 
     def __init__(self):
         self.hook, self.state = None, None
+        self.t0, self.events = 0.0, []
 
 
 def dispatch_hook(d, bucket):  # unannotated: DDP rejects the string annotations of `from __future__`
-    return d.hook(d.state, bucket)
+    t_in = time.perf_counter() - d.t0
+    fut = d.hook(d.state, bucket)
+    ev = {"bucket": bucket.index(), "numel": bucket.buffer().numel(), "call": t_in, "ret": time.perf_counter() - d.t0}
+    d.events.append(ev)
+    fut.add_done_callback(lambda _: ev.__setitem__("done", time.perf_counter() - d.t0))
+    return fut
 
 
 def nocomm_hook(_, bucket):
@@ -201,6 +209,7 @@ class Arm:
         self.cpu: list[float] = []  # CPU seconds of this process (all threads: main, autograd, gloo) per timed step
         self.link = [0, 0]  # rx, tx bytes during the timed steps
         self.comm = {}  # CommStats deltas summed over the timed steps
+        self.timeline = None  # this rank's last timed step: backward end, step end, the buckets' events
 
 
 def build_arms(names, model_name, ddp, topo, solo_group, solo_topo):
@@ -268,7 +277,8 @@ def step(arm: Arm, dispatch: Dispatch, model_name: str, module, batch, timed: bo
     stats = arm.state.stats.as_dict("") if isinstance(arm.state, (BirderHookState, OneBitAdamHookState)) else None
     link0 = link_counters() if timed else None
     c0 = time.process_time()
-    t0 = time.perf_counter()
+    t0 = dispatch.t0 = time.perf_counter()
+    dispatch.events = []
     arm.opt.zero_grad(set_to_none=True)
     loss_fn(model_name, module, batch).backward()  # DDP: returns once every bucket's future is done
     t1 = time.perf_counter()
@@ -281,6 +291,7 @@ def step(arm: Arm, dispatch: Dispatch, model_name: str, module, batch, timed: bo
         return
     arm.fwd_bwd.append(t1 - t0)
     arm.opt_s.append(t2 - t1)
+    arm.timeline = {"backward_end": t1 - t0, "step_end": t2 - t0, "buckets": dispatch.events}
     arm.cpu.append(c1 - c0)
     if link0 is not None:
         link1 = link_counters()
@@ -309,6 +320,7 @@ def report(arm: Arm, topo: Topology, args, world: int, numel: int) -> dict:
         "opt": arm.opt_s,
         "cpu": arm.cpu,
         "link": arm.link if link_counters() is not None else None,
+        "timeline": arm.timeline,
     }
     ranks = [None] * world
     dist.all_gather_object(ranks, mine)
@@ -341,6 +353,7 @@ def report(arm: Arm, topo: Topology, args, world: int, numel: int) -> dict:
         else None,
         "commstats_per_step": {k: v / n for k, v in arm.comm.items()} if arm.comm else None,
         "analytic_bytes_per_rank": analytic_bytes(arm.name, numel, world),
+        "timeline_last_step": [r["timeline"] for r in ranks],  # per rank
     }
     if rec["commstats_per_step"]:
         cs = rec["commstats_per_step"]

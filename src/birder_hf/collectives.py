@@ -188,7 +188,17 @@ class _Hierarchical(_Plan):
         return intra + (lws - 1) * step4, inter
 
     def start(self, wire: Wire, c0: int, c1: int):
+        if self.topo.local_world_size == 1 and self.topo.num_nodes > 1:
+            # one rank per node: no step 1, and the vote is already the node's bit. Start step 3 here, so that it
+            # runs asynchronously: a finished step 1 would run finish(), and its blocking inter-node exchange, in the
+            # caller (the DDP hook, inside backward)
+            return self._inter(wire, self.packed[c0 // 8 : c1 // 8])
         return wire.all_to_all(self.packed[c0 // 8 : c1 // 8], "intra")
+
+    def _inter(self, wire: Wire, node_bits: torch.Tensor):
+        # 3) allgather: every rank of my column gets all k node bits of the shard (their exact mean, no draw);
+        # scatter_gather: my sub-shard's k node bits
+        return (wire.all_gather if self.inter_method == "allgather" else wire.all_to_all)(node_bits, "inter")
 
     def finish(self, wire: Wire, c0: int, c1: int, recv: torch.Tensor) -> None:
         t = self.topo
@@ -199,23 +209,22 @@ class _Hierarchical(_Plan):
             # would double the variance of d); share it inside the node as its vote counts' binary digits
             self._write_counts(wire, c0, shard, _count_planes(recv.view(lws, -1)), lws)
             return
-        # 1-2) node mean of my node shard from the L votes, re-quantized to 1 bit by this rank only
-        # (with L == 1 the vote is already +-1 and re-quantizing it would return the same bit)
-        # (nodes 2i, 2i+1 draw as an antithetic pair: where both node means are 0 their bits cancel)
-        if lws == 1:
-            node_bits = recv
+        if lws == 1:  # start() ran step 3 (with L == 1 the vote is the node's bit: re-quantizing it changes nothing)
+            received = recv
         else:
+            # 1-2) node mean of my node shard from the L votes, re-quantized to 1 bit by this rank only
+            # (nodes 2i, 2i+1 draw as an antithetic pair: where both node means are 0 their bits cancel)
             who, reflect = antithetic(g)
             node_bits = self.keys.requantize_pack(recv.view(lws, -1), c0 + j * shard, STAGE_NODE, who, reflect=reflect)
+            received, work = self._inter(wire, node_bits)
+            work.wait()
         if self.inter_method == "allgather":
-            # 3) every rank of my column gets all k node bits of the shard: their exact mean, no draw
-            gathered = wire.all_gather_sync(node_bits, "inter").view(k, -1)
-            # 4) share that mean inside the node as its vote counts: bit_length(k) packed bits per element
-            self._write_counts(wire, c0, shard, _count_planes(gathered), k)
+            # 4) share the mean of the k node bits inside the node as its vote counts: bit_length(k) packed bits
+            self._write_counts(wire, c0, shard, _count_planes(received.view(k, -1)), k)
         else:
-            # 3) inter-node scatter-gather of the node bits: my sub-shard's k votes, re-quantized once
+            # 3) my sub-shard's k node bits, re-quantized once
             sub = shard // k
-            mine = wire.all_to_all_sync(node_bits, "inter")
+            mine = received
             if k > 1:
                 mine = self.keys.requantize_pack(mine.view(k, -1), c0 + j * shard + g * sub, STAGE_INTER_SHARD, 0)
             shard_bits = wire.all_gather_sync(mine, "inter")
