@@ -38,9 +38,9 @@ def test_matches_reference_for_100_steps(amsgrad, quantize, foreach):
         ref.step()
         for p, q in zip(fast_p, ref_p):
             torch.testing.assert_close(p, q, rtol=0, atol=1e-12)
-    for i, p in enumerate(fast_p):
-        torch.testing.assert_close(fast.state[p]["exp_avg"], ref.m[i], rtol=0, atol=1e-12)
-        torch.testing.assert_close(fast.state[p]["exp_avg_abs"], ref.b[i], rtol=0, atol=1e-12)
+    for i, p in enumerate(fast_p):  # the same arithmetic (every product rounded, then the sum): the same bits
+        assert torch.equal(fast.state[p]["exp_avg"], ref.m[i])
+        assert torch.equal(fast.state[p]["exp_avg_abs"], ref.b[i])
         assert fast.state[p]["step"].item() == 100
 
 
@@ -55,6 +55,54 @@ def test_foreach_equals_single_tensor_bitwise():
     for p, q in zip(a, b):
         assert torch.equal(p, q)
         assert torch.equal(oa.state[p]["exp_avg"], ob.state[q]["exp_avg"])
+
+
+def _encode_inputs(n, dtype):
+    g = torch.Generator().manual_seed(n)
+    grad = torch.randn(n, generator=g, dtype=dtype)
+    grad[::7], grad[1::11] = 0.0, -0.0  # stale coordinates (and a negative zero)
+    m = torch.randn(n, generator=g, dtype=dtype) * 0.1
+    b = m.abs() + torch.rand(n, generator=g, dtype=dtype) * 0.1
+    m[3::17], b[3::17] = 0.0, 0.0  # never a gradient: u = 0/0 := 0
+    b[5::19] = m[5::19].abs()  # |u| = 1
+    return grad, m, b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_compiled_encode_gives_the_eager_and_foreach_bits(dtype):
+    # the CPU encode runs as one compiled kernel; the eager kernel (no compiler, small tensors), the foreach path
+    # (CUDA's default) and the staged hook path must give the same m, b, max b and u, bit for bit
+    from birder_hf.optim import EncodeOut, birder_encode
+    from birder_hf.quantize import _codec, set_codec_compile
+
+    grad, m, b = _encode_inputs(10_007, dtype)
+    before = set_codec_compile(True)
+    try:
+        for stale in ("fade", "lazy", "keep"):
+            for amsgrad in (False, True):
+                for maximize, scale in ((False, 1.0), (True, 1024.0)):
+                    results = []
+                    for path in ("compiled", "compiled staged", "eager", "foreach"):
+                        set_codec_compile(path.startswith("compiled"))
+                        mm, bb = m.clone(), b.clone()
+                        bmax = [b * 1.25] if amsgrad else None
+                        kw = dict(beta=0.9, maximize=maximize, foreach=path == "foreach", stale=stale)
+                        if path == "compiled staged":  # the hook's: new m, b, u into other buffers, state kept
+                            out = EncodeOut([torch.empty_like(m)], [torch.empty_like(b)], None, [torch.empty_like(m)])
+                            if amsgrad:
+                                out = out._replace(max_exp_avg_abss=[torch.empty_like(b)])
+                            u = birder_encode([grad * scale], [mm], [bb], bmax, out=out, grad_scale=scale, **kw)[0]
+                            assert torch.equal(mm, m) and torch.equal(bb, b)
+                            mm, bb, bmax = out.exp_avgs[0], out.exp_avg_abss[0], out.max_exp_avg_abss
+                        else:
+                            u = birder_encode([grad * scale], [mm], [bb], bmax, grad_scale=scale, **kw)[0]
+                        results.append((mm, bb, bmax[0] if amsgrad else None, u))
+                    for other in results[1:]:
+                        for x, y in zip(results[0], other):
+                            assert x is None or torch.equal(x, y), (stale, amsgrad, maximize)
+        assert not _codec._failed
+    finally:
+        set_codec_compile(before)
 
 
 def test_quantize_false_is_exactly_the_update_rule():

@@ -25,6 +25,7 @@ into ``d`` is the job of its communicator (``birder_hf.base``, ``docs/ARCHITECTU
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from typing import NamedTuple
@@ -49,7 +50,7 @@ from .base import (
     shard_record,
     state_dtype,
 )
-from .quantize import STAGE_WORKER, BitKeys, quantize_bits
+from .quantize import STAGE_WORKER, BitKeys, quantize_bits, register_kernel, run_kernel
 
 __all__ = ["Birder", "birder", "birder_encode", "birder_apply", "EncodeOut", "StateBuffers"]
 
@@ -506,40 +507,86 @@ def birder(
     return ds
 
 
-def _fade_(m: torch.Tensor, zero: torch.Tensor, beta: float) -> None:
-    """m <- beta m where ``zero`` (g == 0; after the EMA: a stale coordinate's m decays by beta twice, its u by
-    beta)."""
-    m.copy_(torch.where(zero, m * beta, m))
+def _encode_into(g, m, b, bmax, m_out, b_out, bmax_out, u_out, settings) -> None:
+    """One tensor's encode, written into the ``*_out`` buffers (they may be ``m``, ``b``, ``bmax`` themselves;
+    ``bmax`` and ``bmax_out`` are None without amsgrad).
+
+    Every product is rounded before the sum (``m beta + g w``, no fused multiply-add), so that this function run
+    eagerly and compiled into one pass (``torch.compile``; contraction is off on CPU) give the same bits; the
+    reference (``birder_hf.reference``) computes the same. ``settings`` (:func:`_encode_settings`) is one tensor, so
+    that one compiled kernel serves every setting."""
+    beta, weight, sign, tiny, vote_min = settings[0], settings[1], settings[2], settings[3], settings[4]
+    fade, lazy = settings[5] != 0, settings[6] != 0
+    g = g.to(m.dtype) * sign
+    m_new = m * beta + g * weight
+    b_new = b * beta + g.abs() * weight
+    zero = g == 0  # this step's stale coordinates
+    m_new = torch.where(zero & fade, m_new * beta, m_new)  # fade: m decays once more, u shrinks by beta per step
+    denom = b_new
+    if bmax is not None:
+        denom = torch.maximum(bmax, b_new)
+        bmax_out.copy_(denom)
+    # |m| <= b holds in floating point (monotone rounding); max(b, tiny) makes 0/0 = 0.
+    u = (m_new / torch.maximum(denom, tiny)).clamp(-1.0, 1.0)
+    # no vote: lazy, every stale coordinate; fade, once faded below STALE_VOTE_MIN
+    u = u.masked_fill(zero & (lazy | (fade & (u.abs() < vote_min))), 0.0)
+    m_out.copy_(m_new)
+    b_out.copy_(b_new)
+    u_out.copy_(u)
 
 
-def _silence_(u: torch.Tensor, zero: torch.Tensor, stale: str) -> None:
-    """u <- 0 where a stale coordinate does not vote: every one ("lazy"), or once its faded |u| < STALE_VOTE_MIN."""
-    u.masked_fill_(zero & (u.abs() < STALE_VOTE_MIN) if stale == "fade" else zero, 0.0)
+# The compiled kernels: in place (the state is the output) or staged (other buffers), never a mix, because torch
+# 2.14's on-disk compile cache served the in-place kernel (writing into m) for a staged call of the same graph. They
+# take no None and no Python float (one inductor bug wrote m_new into m with a Python float in the graph).
+def _encode_staged(g, m, b, m_out, b_out, u_out, settings) -> None:
+    _encode_into(g, m, b, None, m_out, b_out, None, u_out, settings)
+
+
+def _encode_staged_amsgrad(g, m, b, bmax, m_out, b_out, bmax_out, u_out, settings) -> None:
+    _encode_into(g, m, b, bmax, m_out, b_out, bmax_out, u_out, settings)
+
+
+def _encode_in_place(g, m, b, u_out, settings) -> None:
+    _encode_into(g, m, b, None, m, b, None, u_out, settings)
+
+
+def _encode_in_place_amsgrad(g, m, b, bmax, u_out, settings) -> None:
+    _encode_into(g, m, b, bmax, m, b, bmax, u_out, settings)
+
+
+for _kernel in (_encode_staged, _encode_staged_amsgrad, _encode_in_place, _encode_in_place_amsgrad):
+    register_kernel(_kernel.__name__, _kernel)
+
+
+@functools.lru_cache(maxsize=64)
+def _encode_settings(beta: float, weight: float, maximize: bool, stale: str, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`_encode_into`'s settings, a read-only CPU tensor in the state's ``dtype`` (each value rounded as the
+    eager kernels round a Python scalar): beta, weight, the sign of g (-1 to maximize), the ``_TINY`` floor of b,
+    ``STALE_VOTE_MIN``, and the stale mode as two 0/1 flags (fade, lazy)."""
+    values = (beta, weight, -1.0 if maximize else 1.0, _TINY, STALE_VOTE_MIN, stale == "fade", stale == "lazy")
+    return torch.tensor([float(v) for v in values], dtype=dtype)
 
 
 def _single_tensor_encode(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, *, beta, weight, maximize, out, stale):
     us = []
     for i, (g, m, b) in enumerate(zip(grads, exp_avgs, exp_avg_abss)):
         m_out, b_out = (out.exp_avgs[i], out.exp_avg_abss[i]) if out is not None else (m, b)
-        g = g.to(m.dtype)
-        if maximize:
-            g = -g
-        torch.mul(m, beta, out=m_out).add_(g, alpha=weight)
-        torch.mul(b, beta, out=b_out).add_(g.abs(), alpha=weight)
-        zero = None if stale == "keep" else g == 0  # this step's stale coordinates
-        if stale == "fade":
-            _fade_(m_out, zero, beta)
-        denom = b_out
+        bmax = bmax_out = None
         if max_exp_avg_abss is not None:
-            bmax_out = out.max_exp_avg_abss[i] if out is not None else max_exp_avg_abss[i]
-            torch.maximum(max_exp_avg_abss[i], b_out, out=bmax_out)
-            denom = bmax_out
-        # |m| <= b holds in floating point (monotone rounding); max(b, tiny) makes 0/0 = 0.
+            bmax = max_exp_avg_abss[i]
+            bmax_out = out.max_exp_avg_abss[i] if out is not None else bmax
         u = out.us[i] if out is not None and out.us is not None else torch.empty_like(m_out)
-        torch.div(m_out, denom.clamp_min(_TINY), out=u)
-        u.clamp_(-1.0, 1.0)
-        if zero is not None:
-            _silence_(u, zero, stale)
+        tensors = (g, m, b, bmax, m_out, b_out, bmax_out, u)
+        settings = _encode_settings(beta, weight, maximize, stale, m.dtype)
+        if m.device.type == "cpu" and all(t is None or t.is_contiguous() for t in tensors):
+            # one compiled pass over flat views (CPU: no contraction, so the same bits as eager)
+            staged = out is not None
+            name = "_encode_staged" if staged else "_encode_in_place"
+            args = (g, m, b, bmax, m_out, b_out, bmax_out, u) if staged else (g, m, b, bmax, u)
+            run_kernel(name + ("_amsgrad" if bmax is not None else ""), m.numel(),
+                       *(t.view(-1) for t in args if t is not None), settings)  # fmt: skip
+        else:
+            _encode_into(*tensors, settings.to(m.device))
         us.append(u)
     return us
 
@@ -557,14 +604,17 @@ def _multi_tensor_encode(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, *, bet
         torch._foreach_copy_(bs, exp_avg_abss)
         if max_exp_avg_abss is not None:
             torch._foreach_copy_(bmaxs, max_exp_avg_abss)
+    # every product rounded before the sum, as _encode_into (no alpha=: that is a fused multiply-add)
     torch._foreach_mul_(ms, beta)
-    torch._foreach_add_(ms, grads, alpha=weight)
+    torch._foreach_add_(ms, torch._foreach_mul(grads, weight))
     torch._foreach_mul_(bs, beta)
-    torch._foreach_add_(bs, torch._foreach_abs(grads), alpha=weight)
+    absg = torch._foreach_abs(grads)
+    torch._foreach_mul_(absg, weight)
+    torch._foreach_add_(bs, absg)
     zeros = None if stale == "keep" else [g == 0 for g in grads]  # this step's stale coordinates
-    if stale == "fade":
+    if stale == "fade":  # m <- beta m where g == 0
         for m, zero in zip(ms, zeros):
-            _fade_(m, zero, beta)
+            m.copy_(torch.where(zero, m * beta, m))
     denoms = bs
     if max_exp_avg_abss is not None:
         torch._foreach_maximum_(bmaxs, bs)
@@ -578,6 +628,6 @@ def _multi_tensor_encode(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, *, bet
         us = torch._foreach_div(ms, denoms)
     torch._foreach_clamp_min_(us, -1.0)
     torch._foreach_clamp_max_(us, 1.0)
-    for u, zero in zip(us, zeros or ()):
-        _silence_(u, zero, stale)
+    for u, zero in zip(us, zeros or ()):  # u <- 0 where a stale coordinate does not vote (see _encode_into)
+        u.masked_fill_(zero & (u.abs() < STALE_VOTE_MIN) if stale == "fade" else zero, 0.0)
     return us

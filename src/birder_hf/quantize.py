@@ -313,6 +313,18 @@ def _run(name: str, numel: int, *args):
     return _codec(name, *args)
 
 
+def register_kernel(name: str, eager) -> None:
+    """Add a kernel of another module (the optimizer's encode) to the codec's: compiled like them, with ``eager``
+    as its reference and fallback (it must give the same bits compiled: no product summed without rounding)."""
+    _Codec._EAGER[name] = eager
+
+
+def run_kernel(name: str, numel: int, *args):
+    """Run a registered kernel on ``numel`` elements: compiled, or eager below ``_MIN_COMPILED_NUMEL`` elements, or
+    when compiling is off or failed (``set_codec_compile``)."""
+    return _run(name, numel, *args)
+
+
 def quantize_bits(u: torch.Tensor, key: tuple[int, int], offset: int = 0, *, reflect: bool = False) -> torch.Tensor:
     """Binary randomization of ``u`` (any shape) as a flat bool tensor (``True`` = +1).
 
