@@ -92,6 +92,9 @@ def test_worker_emits_expected_records(local_records):
         stats = recs[m]["commstats_per_step"]
         assert stats["calls"] >= 1 and stats["compression_ratio"] > 16  # 1 bit per value, padding aside
     assert recs["powersgd"]["powersgd"]["rank"] == 4
+    for tl in recs["birder-hierarchical"]["timeline_last_step"]:  # per rank: every bucket's hook call and its Future
+        assert tl["buckets"] and tl["backward_end"] <= tl["step_end"]
+        assert all(0 <= e["call"] <= e["ret"] <= e["done"] and e["call"] <= tl["backward_end"] for e in tl["buckets"])
 
 
 def test_summary_targets_table_and_plots(local_records, tmp_path):
@@ -102,6 +105,13 @@ def test_summary_targets_table_and_plots(local_records, tmp_path):
         b = rows[method]["breakdown"]
         assert b["basis"] == "cpu" and min(b["compute_s"], b["codec_s"], b["comm_cpu_s"]) >= 0
         assert b["compute_s"] + b["codec_s"] + b["comm_cpu_s"] + b["wait_s"] == pytest.approx(rows[method]["step_s"])
+        row, ref = rows[method], {r["method"]: r for r in local_records if r["kind"] == "method"}
+        fp32, nocomm = ref["fp32-sgdm"]["step_s_mean"], ref["ref-compute"]["step_s_mean"]
+        assert row["bound_vs_fp32"] == pytest.approx(fp32 / nocomm)
+        assert row["share_of_bound"] == pytest.approx(row["ratio_vs_fp32"] / row["bound_vs_fp32"])
+    assert rows["birder-hierarchical"]["codec_bound_vs_fp32"] == pytest.approx(
+        ref["fp32-sgdm"]["step_s_mean"] / ref["ref-birder"]["step_s_mean"]
+    )
     result = {
         "config": {"batches": {"tiny-mlp": [4]}, "seed_batches": {"tiny-mlp": [32]}, "nodes": 1, "nproc_per_node": 2},
         "profiles": {},

@@ -12,7 +12,7 @@ which spares BERT-Base's 440 MB broadcast) with one dispatching communication ho
 method in turn: its hook (torch's ``allreduce_hook`` for fp32, ``fp16_compress_hook``, ``powerSGD_hook``,
 ``birder_hook``) and its optimizer. A warm-up round gives each method one step (PowerSGD two: one vanilla, one
 compressed), then ``--rounds`` timed rounds follow, in alternating order (A..Z, Z..A), so that a load change hits
-every method alike.
+every method alike. A barrier starts every step on all ranks at once.
 
 The three Birder methods share one ``Birder`` optimizer and one ``BirderHookState``, whose ``method`` (and
 ``topology``) is set before each of their steps: the same ``m`` and ``b`` and buffers, as one optimizer would have.
@@ -275,6 +275,9 @@ def step(arm: Arm, dispatch: Dispatch, model_name: str, module, batch, timed: bo
         method, arm.state.topology = arm.birder
         arm.state.comm_settings = CommSettings(method)
     stats = arm.state.stats.as_dict("") if isinstance(arm.state, (BirderHookState, OneBitAdamHookState)) else None
+    # every rank starts the step together: otherwise the previous method's skew (one rank still decoding its last
+    # bucket) would be timed as this method's waiting
+    dist.barrier()
     link0 = link_counters() if timed else None
     c0 = time.process_time()
     t0 = dispatch.t0 = time.perf_counter()

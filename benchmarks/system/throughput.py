@@ -329,8 +329,29 @@ def summarize(records: list[dict]) -> list[dict]:
         row["commstats_intra_bytes_per_step"] = cs.get("intra_node_bytes")
         row["analytic_bytes_per_rank"] = r.get("analytic_bytes_per_rank")
         row["breakdown"] = breakdown(r, refs.get(key, {}))
+        row.update(bounds(r, base, refs.get(key, {})))
         rows.append(row)
     return rows
+
+
+def bounds(rec: dict, base: dict | None, refs: dict[str, dict]) -> dict:
+    """The most a method could gain over fp32 with a free network, from the references of the same rounds (wall time):
+
+    - ``bound_vs_fp32``: fp32's step over ``ref-compute``'s (forward, backward, the baseline optimizer, no wire);
+    - ``codec_bound_vs_fp32``: fp32's step over the method's own one-rank reference (its codec and optimizer too);
+    - ``share_of_bound``: the method's ratio over ``bound_vs_fp32``.
+    """
+    nocomm = refs.get("ref-compute")
+    own = refs.get("ref-birder" if rec["method"].startswith("birder") else f"ref-{rec['method']}")
+    if base is None or nocomm is None:
+        return {"bound_vs_fp32": None, "codec_bound_vs_fp32": None, "share_of_bound": None}
+    bound = base["step_s_mean"] / nocomm["step_s_mean"]
+    ratio = base["step_s_mean"] / rec["step_s_mean"]
+    return {
+        "bound_vs_fp32": bound,
+        "codec_bound_vs_fp32": base["step_s_mean"] / own["step_s_mean"] if own else bound,
+        "share_of_bound": ratio / bound,
+    }
 
 
 def check_targets(rows: list[dict]) -> list[dict]:
@@ -361,9 +382,10 @@ def check_targets(rows: list[dict]) -> list[dict]:
 def table(result: dict) -> str:
     """Markdown table of the summary (samples/s, ratio, bytes, breakdown)."""
     lines = [
-        "| profile | model | batch/proc | method | samples/s | x fp32 | s/step | CPU s/step | x fp32 (CPU) "
-        "| compute | codec | comm CPU | waiting | inter-node MB/step (link) | CommStats inter MB |",
-        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| profile | model | batch/proc | method | samples/s | x fp32 | bound | share of bound | bound with codec "
+        "| s/step | CPU s/step | x fp32 (CPU) | compute | codec | comm CPU | waiting | inter-node MB/step (link) "
+        "| CommStats inter MB |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["summary"]:
         b = r["breakdown"] or {}
@@ -375,7 +397,8 @@ def table(result: dict) -> str:
 
         lines.append(
             f"| {r['profile']} | {r['model']} | {r['batch_per_proc']} | {LABELS.get(r['method'], r['method'])} "
-            f"| {r['samples_per_s']:.3g} | {f(r['ratio_vs_fp32'], '.2f')} | {r['step_s']:.3g} "
+            f"| {r['samples_per_s']:.3g} | {f(r['ratio_vs_fp32'], '.2f')} | {f(r.get('bound_vs_fp32'), '.2f')} "
+            f"| {f(r.get('share_of_bound'), '.2f')} | {f(r.get('codec_bound_vs_fp32'), '.2f')} | {r['step_s']:.3g} "
             f"| {f(r.get('cpu_s'), '.3g')} | {f(r.get('cpu_ratio_vs_fp32'), '.2f')} "
             f"| {f(b.get('compute_s'), '.3g')} | {f(b.get('codec_s'), '.3g')} | {f(b.get('comm_cpu_s'), '.3g')} "
             f"| {f(b.get('wait_s'), '.3g')} "

@@ -62,8 +62,8 @@ class BirderStaging:
         return sum(t.nbytes for t in kept)
 
     def direction_buffer(self, index: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The buffer bucket ``index`` encodes ``u`` into and receives ``d`` in. On CPU one per bucket, kept between
-        steps (DDP has copied ``d`` out by then): a new one would page-fault on every step, ~40 ms per 100 MB here;
+        """The buffer bucket ``index`` encodes ``u`` into (and receives ``d`` in, when the bucket cannot). On CPU one per
+        bucket, kept between steps (``d`` is read by then): a new one would page-fault on every step;
         CUDA's caching allocator reuses memory anyway, so there it is new each step and nothing is kept."""
         if device.type != "cpu":
             return torch.empty(numel, dtype=dtype, device=device)
@@ -104,11 +104,13 @@ class BirderStaging:
                 hook.stage(p, group, b, u if keep else None)
         return params, opt.bit_keys(params, steps)
 
-    def exchange(self, u: torch.Tensor, keys) -> torch.futures.Future:
-        """Start the 1-bit all-reduce of ``u`` (flat, overwritten with ``d``) with the state's settings."""
+    def exchange(self, u: torch.Tensor, keys, out: torch.Tensor | None = None) -> torch.futures.Future:
+        """Start the 1-bit all-reduce of ``u`` (flat) with the state's settings; ``d`` overwrites ``out`` (default
+        ``u``)."""
         h = self.state
+        out = u if out is None else out
         return onebit_all_reduce(
-            u, topology=h.topology, method=h.comm_settings, keys=keys, async_op=True, stats=h.step_stats, out=u
+            u, topology=h.topology, method=h.comm_settings, keys=keys, async_op=True, stats=h.step_stats, out=out
         )
 
     def commit(self, pending: dict[torch.Tensor, Staged] | None) -> list[Update] | None:
@@ -211,10 +213,11 @@ def _start_bucket(state: BirderHookState, index: int, buffer: torch.Tensor, item
         if is_dense(p) and not p.is_contiguous():  # DDP reads a new result tensor with p's strides
             strided.append((offset, p.shape, p.stride()))
         offset += p.numel()
-    fut = state.staging.exchange(u_flat, keys)
     if buffer.dtype != u_dtype or strided:
-        fut = then(fut, lambda f: _to_bucket_layout(f.value().to(buffer.dtype), strided))
-    return fut
+        fut = state.staging.exchange(u_flat, keys)
+        return then(fut, lambda f: _to_bucket_layout(f.value().to(buffer.dtype), strided))
+    # d straight into the bucket (its gradients are encoded already): DDP then has nothing to copy
+    return state.staging.exchange(u_flat, keys, out=buffer)
 
 
 def _to_bucket_layout(d: torch.Tensor, strided: list) -> torch.Tensor:
