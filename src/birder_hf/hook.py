@@ -62,9 +62,9 @@ class BirderStaging:
         return sum(t.nbytes for t in kept)
 
     def direction_buffer(self, index: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The buffer bucket ``index`` encodes ``u`` into (and receives ``d`` in, when the bucket cannot). On CPU one per
-        bucket, kept between steps (``d`` is read by then): a new one would page-fault on every step;
-        CUDA's caching allocator reuses memory anyway, so there it is new each step and nothing is kept."""
+        """The buffer bucket ``index`` encodes ``u`` into (and receives ``d`` in, when the bucket cannot). On CPU one
+        per bucket, kept between steps (``d`` is read by then): a new one would page-fault on every step; CUDA's
+        caching allocator reuses memory anyway, so there it is new each step and nothing is kept."""
         if device.type != "cpu":
             return torch.empty(numel, dtype=dtype, device=device)
         buf = self._directions.get(index)
