@@ -513,8 +513,9 @@ def _encode_into(g, m, b, bmax, m_out, b_out, bmax_out, u_out, settings) -> None
 
     Every product is rounded before the sum (``m beta + g w``, no fused multiply-add), so that this function run
     eagerly and compiled into one pass (``torch.compile``; contraction is off on CPU) give the same bits; the
-    reference (``birder_hf.reference``) computes the same. ``settings`` (:func:`_encode_settings`) is one tensor, so
-    that one compiled kernel serves every setting."""
+    reference (``birder_hf.reference``) computes the same. ``settings`` (:func:`_encode_settings`): one tensor for the
+    compiled kernel (one kernel serves every setting), a tuple of Python numbers eagerly (nothing to copy to a GPU;
+    the eager kernels round a Python scalar to the tensor's dtype, so the bits are the same)."""
     beta, weight, sign, tiny, vote_min = settings[0], settings[1], settings[2], settings[3], settings[4]
     fade, lazy = settings[5] != 0, settings[6] != 0
     g = g.to(m.dtype) * sign
@@ -527,7 +528,7 @@ def _encode_into(g, m, b, bmax, m_out, b_out, bmax_out, u_out, settings) -> None
         denom = torch.maximum(bmax, b_new)
         bmax_out.copy_(denom)
     # |m| <= b holds in floating point (monotone rounding); max(b, tiny) makes 0/0 = 0.
-    u = (m_new / torch.maximum(denom, tiny)).clamp(-1.0, 1.0)
+    u = (m_new / denom.clamp_min(tiny)).clamp(-1.0, 1.0)
     # no vote: lazy, every stale coordinate; fade, once faded below STALE_VOTE_MIN
     u = u.masked_fill(zero & (lazy | (fade & (u.abs() < vote_min))), 0.0)
     m_out.copy_(m_new)
@@ -535,9 +536,9 @@ def _encode_into(g, m, b, bmax, m_out, b_out, bmax_out, u_out, settings) -> None
     u_out.copy_(u)
 
 
-# The compiled kernels: in place (the state is the output) or staged (other buffers), never a mix, because torch
-# 2.14's on-disk compile cache served the in-place kernel (writing into m) for a staged call of the same graph. They
-# take no None and no Python float (one inductor bug wrote m_new into m with a Python float in the graph).
+# The compiled kernels: in place (the state is the output) or staged (other buffers), two graphs that are never called
+# with the other's aliasing: torch 2.14's on-disk compile cache served a kernel compiled for an in-place call (it wrote
+# m_new into m) to a staged call of the same graph (tests/test_optim.py runs both, in place first).
 def _encode_staged(g, m, b, m_out, b_out, u_out, settings) -> None:
     _encode_into(g, m, b, None, m_out, b_out, None, u_out, settings)
 
@@ -559,11 +560,10 @@ for _kernel in (_encode_staged, _encode_staged_amsgrad, _encode_in_place, _encod
 
 
 @functools.lru_cache(maxsize=64)
-def _encode_settings(beta: float, weight: float, maximize: bool, stale: str, dtype: torch.dtype) -> torch.Tensor:
-    """:func:`_encode_into`'s settings, a read-only CPU tensor in the state's ``dtype`` (each value rounded as the
-    eager kernels round a Python scalar): beta, weight, the sign of g (-1 to maximize), the ``_TINY`` floor of b,
-    ``STALE_VOTE_MIN``, and the stale mode as two 0/1 flags (fade, lazy)."""
-    values = (beta, weight, -1.0 if maximize else 1.0, _TINY, STALE_VOTE_MIN, stale == "fade", stale == "lazy")
+def _encode_settings(values: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`_encode_into`'s settings for a compiled kernel: a read-only CPU tensor in the state's ``dtype`` (each
+    value rounded as the eager kernels round a Python scalar) of beta, weight, the sign of g (-1 to maximize), the
+    ``_TINY`` floor of b, ``STALE_VOTE_MIN``, and the stale mode as two 0/1 flags (fade, lazy)."""
     return torch.tensor([float(v) for v in values], dtype=dtype)
 
 
@@ -577,16 +577,16 @@ def _single_tensor_encode(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, *, be
             bmax_out = out.max_exp_avg_abss[i] if out is not None else bmax
         u = out.us[i] if out is not None and out.us is not None else torch.empty_like(m_out)
         tensors = (g, m, b, bmax, m_out, b_out, bmax_out, u)
-        settings = _encode_settings(beta, weight, maximize, stale, m.dtype)
+        values = (beta, weight, -1.0 if maximize else 1.0, _TINY, STALE_VOTE_MIN, stale == "fade", stale == "lazy")
         if m.device.type == "cpu" and all(t is None or t.is_contiguous() for t in tensors):
             # one compiled pass over flat views (CPU: no contraction, so the same bits as eager)
             staged = out is not None
             name = "_encode_staged" if staged else "_encode_in_place"
             args = (g, m, b, bmax, m_out, b_out, bmax_out, u) if staged else (g, m, b, bmax, u)
             run_kernel(name + ("_amsgrad" if bmax is not None else ""), m.numel(),
-                       *(t.view(-1) for t in args if t is not None), settings)  # fmt: skip
+                       *(t.view(-1) for t in args if t is not None), _encode_settings(values, m.dtype))  # fmt: skip
         else:
-            _encode_into(*tensors, settings.to(m.device))
+            _encode_into(*tensors, values)
         us.append(u)
     return us
 
@@ -604,13 +604,14 @@ def _multi_tensor_encode(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, *, bet
         torch._foreach_copy_(bs, exp_avg_abss)
         if max_exp_avg_abss is not None:
             torch._foreach_copy_(bmaxs, max_exp_avg_abss)
-    # every product rounded before the sum, as _encode_into (no alpha=: that is a fused multiply-add)
+    # every product rounded before the sum, as _encode_into (no alpha=: that is a fused multiply-add); one temporary,
+    # g w, then |g w| = |g| w (w > 0, and rounding is symmetric)
     torch._foreach_mul_(ms, beta)
-    torch._foreach_add_(ms, torch._foreach_mul(grads, weight))
+    gw = torch._foreach_mul(grads, weight)
+    torch._foreach_add_(ms, gw)
     torch._foreach_mul_(bs, beta)
-    absg = torch._foreach_abs(grads)
-    torch._foreach_mul_(absg, weight)
-    torch._foreach_add_(bs, absg)
+    torch._foreach_abs_(gw)
+    torch._foreach_add_(bs, gw)
     zeros = None if stale == "keep" else [g == 0 for g in grads]  # this step's stale coordinates
     if stale == "fade":  # m <- beta m where g == 0
         for m, zero in zip(ms, zeros):
