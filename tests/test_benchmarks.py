@@ -109,6 +109,9 @@ def test_summary_targets_table_and_plots(local_records, tmp_path):
         fp32, nocomm = ref["fp32-sgdm"]["step_s_mean"], ref["ref-compute"]["step_s_mean"]
         assert row["bound_vs_fp32"] == pytest.approx(fp32 / nocomm)
         assert row["share_of_bound"] == pytest.approx(row["ratio_vs_fp32"] / row["bound_vs_fp32"])
+        # one round: the per-round (paired) estimates are the same ratios
+        assert row["ratio_vs_fp32_paired_median"] == pytest.approx(fp32 / ref[method]["step_s_mean"])
+        assert row["share_of_bound_paired_median"] == pytest.approx(nocomm / ref[method]["step_s_mean"])
     assert rows["birder-hierarchical"]["codec_bound_vs_fp32"] == pytest.approx(
         ref["fp32-sgdm"]["step_s_mean"] / ref["ref-birder"]["step_s_mean"]
     )

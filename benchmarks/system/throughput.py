@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -321,6 +322,7 @@ def summarize(records: list[dict]) -> list[dict]:
             "optimizer": r["optimizer"],
             "samples_per_s": r["samples_per_s"],
             "step_s": r["step_s_mean"],
+            "step_s_per_round": r["step_s"],
             "timed_steps": r["timed_steps"],
             "ratio_vs_fp32": r["samples_per_s"] / base["samples_per_s"] if base else None,
             "baseline": base["method"] if base else None,
@@ -360,7 +362,17 @@ def bounds(rec: dict, base: dict | None, refs: dict[str, dict]) -> dict:
         "bound_vs_fp32": bound,
         "codec_bound_vs_fp32": base["step_s_mean"] / own["step_s_mean"] if own else bound,
         "share_of_bound": ratio / bound,
+        # the same per round (each method's i-th timed step ran in round i), then the median over rounds: robust to a
+        # load change between rounds, which moves every method of a round alike
+        "share_of_bound_paired_median": _paired_median(nocomm, rec),
+        "ratio_vs_fp32_paired_median": _paired_median(base, rec),
     }
+
+
+def _paired_median(a: dict, b: dict) -> float | None:
+    """Median over rounds of ``a``'s step over ``b``'s step in the same round."""
+    pairs = [x / y for x, y in zip(a.get("step_s") or [], b.get("step_s") or [])]
+    return statistics.median(pairs) if pairs else None
 
 
 def check_targets(rows: list[dict]) -> list[dict]:
@@ -381,8 +393,14 @@ def check_targets(rows: list[dict]) -> list[dict]:
         same = [r for r in rows if (r["profile"], r["model"], r["batch_per_proc"]) == key]
         other = next((r for r in same if r["method"] == rival), None)
         if other is not None:
-            target.update(ahead_of=rival, rival_step_s=other["step_s"], step_s=row["step_s"])
+            mine, theirs = row.get("step_s_per_round") or [], other.get("step_s_per_round") or []
+            rounds_ahead = sum(a < b for a, b in zip(mine, theirs))
+            target.update(ahead_of=rival, rival_step_s=other["step_s"], step_s=row["step_s"],
+                          rounds_ahead=rounds_ahead, rounds=min(len(mine), len(theirs)))  # fmt: skip
             target["met"] = target["met"] and row["step_s"] < other["step_s"]
+        paired = row.get(measure + "_paired_median")
+        if paired is not None:  # the per-round estimate, beside the mean's (not what decides "met")
+            target["value_paired_median"] = paired
         out.append(target)
     return out
 
