@@ -5,6 +5,7 @@ import warnings
 
 import pytest
 import torch
+from _dist import run_distributed
 
 from birder_hf import Birder
 from birder_hf.optim import birder
@@ -68,41 +69,70 @@ def _encode_inputs(n, dtype):
     return grad, m, b
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_compiled_encode_gives_the_eager_and_foreach_bits(dtype):
-    # the CPU encode runs as one compiled kernel; the eager kernel (no compiler, small tensors), the foreach path
-    # (CUDA's default) and the staged hook path must give the same m, b, max b and u, bit for bit
+def _encode_paths(rank, world, dtype):
+    """Every path's (m, b, max b, u) for each stale mode, amsgrad and maximize (with a loss scale); run in a forked
+    rank so that this process's compiler and its threads stay out of the test process (whose later forks run
+    autograd)."""
     from birder_hf.optim import EncodeOut, birder_encode
     from birder_hf.quantize import _codec, set_codec_compile
 
     grad, m, b = _encode_inputs(10_007, dtype)
-    before = set_codec_compile(True)
-    try:
-        for stale in ("fade", "lazy", "keep"):
-            for amsgrad in (False, True):
-                for maximize, scale in ((False, 1.0), (True, 1024.0)):
-                    results = []
-                    for path in ("compiled", "compiled staged", "eager", "foreach"):
-                        set_codec_compile(path.startswith("compiled"))
-                        mm, bb = m.clone(), b.clone()
-                        bmax = [b * 1.25] if amsgrad else None
-                        kw = dict(beta=0.9, maximize=maximize, foreach=path == "foreach", stale=stale)
-                        if path == "compiled staged":  # the hook's: new m, b, u into other buffers, state kept
-                            out = EncodeOut([torch.empty_like(m)], [torch.empty_like(b)], None, [torch.empty_like(m)])
-                            if amsgrad:
-                                out = out._replace(max_exp_avg_abss=[torch.empty_like(b)])
-                            u = birder_encode([grad * scale], [mm], [bb], bmax, out=out, grad_scale=scale, **kw)[0]
-                            assert torch.equal(mm, m) and torch.equal(bb, b)
-                            mm, bb, bmax = out.exp_avgs[0], out.exp_avg_abss[0], out.max_exp_avg_abss
-                        else:
-                            u = birder_encode([grad * scale], [mm], [bb], bmax, grad_scale=scale, **kw)[0]
-                        results.append((mm, bb, bmax[0] if amsgrad else None, u))
-                    for other in results[1:]:
-                        for x, y in zip(results[0], other):
-                            assert x is None or torch.equal(x, y), (stale, amsgrad, maximize)
-        assert not _codec._failed
-    finally:
-        set_codec_compile(before)
+    mismatches, states_touched = [], []
+    set_codec_compile(True)
+    for stale in ("fade", "lazy", "keep"):
+        for amsgrad in (False, True):
+            for maximize, scale in ((False, 1.0), (True, 1024.0)):
+                results = []
+                for path in ("compiled", "compiled staged", "eager", "foreach"):
+                    set_codec_compile(path.startswith("compiled"))
+                    mm, bb = m.clone(), b.clone()
+                    bmax = [b * 1.25] if amsgrad else None
+                    kw = dict(beta=0.9, maximize=maximize, foreach=path == "foreach", stale=stale, grad_scale=scale)
+                    if path == "compiled staged":  # the hook's: new m, b, u into other buffers, state kept
+                        out = EncodeOut([torch.empty_like(m)], [torch.empty_like(b)], None, [torch.empty_like(m)])
+                        if amsgrad:
+                            out = out._replace(max_exp_avg_abss=[torch.empty_like(b)])
+                        u = birder_encode([grad * scale], [mm], [bb], bmax, out=out, **kw)[0]
+                        if not (torch.equal(mm, m) and torch.equal(bb, b)):
+                            states_touched.append((stale, amsgrad, maximize))
+                        mm, bb, bmax = out.exp_avgs[0], out.exp_avg_abss[0], out.max_exp_avg_abss
+                    else:
+                        u = birder_encode([grad * scale], [mm], [bb], bmax, **kw)[0]
+                    results.append((mm, bb, bmax[0] if amsgrad else None, u))
+                for path, other in zip(("staged", "eager", "foreach"), results[1:]):
+                    if not all(x is None or torch.equal(x, y) for x, y in zip(results[0], other)):
+                        mismatches.append((stale, amsgrad, maximize, path))
+    return mismatches, states_touched, sorted(_codec._failed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_compiled_encode_gives_the_eager_and_foreach_bits(dtype):
+    # the CPU encode runs as one compiled kernel; the eager kernel (no compiler, small tensors), the foreach path
+    # (CUDA's default) and the staged hook path must give the same m, b, max b and u, bit for bit; the staged call
+    # leaves the state alone (it follows an in-place call of the same graph)
+    [(mismatches, states_touched, failed)] = run_distributed(_encode_paths, 1, dtype, timeout=600)
+    assert failed == [] and states_touched == [] and mismatches == []
+
+
+def test_encode_of_non_contiguous_tensors_gives_the_same_bits():
+    # strided state (a channels_last parameter) takes the eager path with Python scalars: the same bits
+    from birder_hf.optim import birder_encode
+
+    g = torch.Generator().manual_seed(5)
+    grad, m = torch.randn(64, 48, generator=g), torch.randn(64, 48, generator=g) * 0.1
+    grad[::3] = 0.0
+    b = m.abs() + 0.05
+    for stale in ("fade", "lazy", "keep"):
+        for amsgrad in (False, True):
+            runs = []
+            for strided in (False, True):
+                t = [x.clone() for x in (grad, m, b, b * 1.3)]
+                if strided:
+                    t = [x.t().contiguous().t() for x in t]
+                kw = dict(beta=0.9, maximize=True, stale=stale, grad_scale=8.0)
+                u = birder_encode([t[0]], [t[1]], [t[2]], [t[3]] if amsgrad else None, **kw)[0]
+                runs.append([u.contiguous(), *(x.contiguous() for x in t[1:])])
+            assert all(torch.equal(x, y) for x, y in zip(*runs)), (stale, amsgrad)
 
 
 def test_quantize_false_is_exactly_the_update_rule():
