@@ -159,11 +159,10 @@ class FSDPHookState(HookState):
     # ranks agree which parameters any rank used (marked on FSDP's unsharded parameters, watch_units) and step those
     skip_unused = True
 
-    __slots__ = ("staging", "_u")
+    __slots__ = ("staging",)
 
     def __init__(self, optimizer: Birder, topology: Topology, method: str | CommSettings = DEFAULT_METHOD, **kwargs):
         self.staging = BirderStaging(self)
-        self._u: dict[int, torch.Tensor] = {}  # unit index -> its u / d buffer, reused every step
         comm = (method, kwargs.pop("inter_method", DEFAULT_INTER_METHOD), kwargs.pop("chunk_numel", None))
         super().__init__(optimizer, topology, comm_settings=comm, **kwargs)
 
@@ -179,13 +178,7 @@ class FSDPHookState(HookState):
 
     def buffer_bytes(self) -> int:
         """Bytes of the buffers kept between steps: staged ``m``, ``b`` and each unit's ``u`` (this rank's shard)."""
-        return self.staging.buffer_bytes() + sum(u.nbytes for u in self._u.values())
-
-    def _unit_buffer(self, index: int, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
-        buf = self._u.get(index)
-        if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != device:
-            buf = self._u[index] = torch.empty(numel, dtype=dtype, device=device)
-        return buf
+        return self.staging.buffer_bytes()
 
     def reduce(self, index: int, unit: FSDPUnit, reduce_output: torch.Tensor) -> None:
         """The hook body for unit ``index``: encode its shard of the node-averaged gradient, start the all-reduce."""
@@ -209,7 +202,8 @@ class FSDPHookState(HookState):
             items.append((p, reduce_output[offset : offset + x.numel()].view(x.shape), group))
             offset += taken
         work = torch.float64 if reduce_output.dtype == torch.float64 else torch.float32
-        u = self._unit_buffer(index, sum(g.numel() for _, g, _ in items), work, reduce_output.device)
+        numel = sum(g.numel() for _, g, _ in items)
+        u = self.staging.direction_buffer(index, numel, work, reduce_output.device, keep=True)
         _, keys = self.staging.encode_and_stage(items, u, keep=True)
         if self.check_finite:
             self.flag_nonfinite(u)  # u = m / b is NaN exactly where the gradient was not finite

@@ -53,22 +53,23 @@ class BirderStaging:
     def __init__(self, state: HookState):
         self.state = state
         self._scratch: dict[torch.Tensor, StateBuffers] = {}  # param -> the buffers its next step writes into
-        self._directions: dict[int, torch.Tensor] = {}  # CPU: DDP bucket index -> its u (then d) buffer
+        self._directions: dict[int, torch.Tensor] = {}  # bucket or unit index -> its u (then d) buffer
 
     def buffer_bytes(self) -> int:
-        """Bytes of the buffers kept between steps: the staged ``m``, ``b`` (and max ``b``) of every parameter, and on
-        CPU each DDP bucket's ``u``."""
+        """Bytes of the buffers kept between steps: the staged ``m``, ``b`` (and max ``b``) of every parameter, and the
+        kept ``u`` buffers (:meth:`direction_buffer`)."""
         kept = [t for bufs in self._scratch.values() for t in bufs if t is not None] + list(self._directions.values())
         return sum(t.nbytes for t in kept)
 
-    def direction_buffer(self, index: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The buffer bucket ``index`` encodes ``u`` into (and receives ``d`` in, when the bucket cannot). On CPU one
-        per bucket, kept between steps (``d`` is read by then): a new one would page-fault on every step; CUDA's
-        caching allocator reuses memory anyway, so there it is new each step and nothing is kept."""
-        if device.type != "cpu":
+    def direction_buffer(self, index: int, numel: int, dtype: torch.dtype, device, *, keep: bool) -> torch.Tensor:
+        """The buffer bucket or unit ``index`` encodes ``u`` into (and receives ``d`` in). With ``keep``, one per
+        index, reused every step; otherwise a new one. The FSDP hook keeps them (``step()`` reads ``d`` from them); the
+        DDP hook on CPU only (``d`` is read by the next step, and a new buffer would page-fault on every step; CUDA's
+        caching allocator reuses memory anyway)."""
+        if not keep:
             return torch.empty(numel, dtype=dtype, device=device)
         buf = self._directions.get(index)
-        if buf is None or buf.numel() != numel or buf.dtype != dtype:
+        if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != device:
             buf = self._directions[index] = torch.empty(numel, dtype=dtype, device=device)
         return buf
 
@@ -206,7 +207,8 @@ def _start_bucket(state: BirderHookState, index: int, buffer: torch.Tensor, item
     # encode the bucket's parameters into scratch buffers (committed in optimizer.step()), start the all-reduce
     state.optimizer.check_state_matches([b.param for b in items])
     u_dtype = torch.float64 if buffer.dtype == torch.float64 else torch.float32
-    u_flat = state.staging.direction_buffer(index, buffer.numel(), u_dtype, buffer.device)
+    device = buffer.device
+    u_flat = state.staging.direction_buffer(index, buffer.numel(), u_dtype, device, keep=device.type == "cpu")
     params, keys = state.staging.encode_and_stage([(b.param, b.grad, b.group) for b in items], u_flat)
     strided, offset = [], 0  # (offset, shape, strides) of the gradients the bucket holds in another memory order
     for p in params:
