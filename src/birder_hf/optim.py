@@ -569,6 +569,7 @@ def _encode_settings(values: tuple, dtype: torch.dtype) -> torch.Tensor:
 
 def _single_tensor_encode(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, *, beta, weight, maximize, out, stale):
     us = []
+    values = (beta, weight, -1.0 if maximize else 1.0, _TINY, STALE_VOTE_MIN, stale == "fade", stale == "lazy")
     for i, (g, m, b) in enumerate(zip(grads, exp_avgs, exp_avg_abss)):
         m_out, b_out = (out.exp_avgs[i], out.exp_avg_abss[i]) if out is not None else (m, b)
         bmax = bmax_out = None
@@ -577,12 +578,11 @@ def _single_tensor_encode(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, *, be
             bmax_out = out.max_exp_avg_abss[i] if out is not None else bmax
         u = out.us[i] if out is not None and out.us is not None else torch.empty_like(m_out)
         tensors = (g, m, b, bmax, m_out, b_out, bmax_out, u)
-        values = (beta, weight, -1.0 if maximize else 1.0, _TINY, STALE_VOTE_MIN, stale == "fade", stale == "lazy")
         if m.device.type == "cpu" and all(t is None or t.is_contiguous() for t in tensors):
             # one compiled pass over flat views (CPU: no contraction, so the same bits as eager)
             staged = out is not None
             name = "_encode_staged" if staged else "_encode_in_place"
-            args = (g, m, b, bmax, m_out, b_out, bmax_out, u) if staged else (g, m, b, bmax, u)
+            args = tensors if staged else (g, m, b, bmax, u)
             run_kernel(name + ("_amsgrad" if bmax is not None else ""), m.numel(),
                        *(t.view(-1) for t in args if t is not None), _encode_settings(values, m.dtype))  # fmt: skip
         else:

@@ -307,7 +307,9 @@ def set_codec_compile(enabled: bool) -> bool:
     return before
 
 
-def _run(name: str, numel: int, *args):
+def run_kernel(name: str, numel: int, *args):
+    """Run codec kernel ``name`` (or one added by :func:`register_kernel`) on ``numel`` elements: compiled, or eager
+    below ``_MIN_COMPILED_NUMEL`` elements, or when compiling is off or failed (``set_codec_compile``)."""
     if numel < _MIN_COMPILED_NUMEL:
         return _Codec._EAGER[name](*args)
     return _codec(name, *args)
@@ -319,12 +321,6 @@ def register_kernel(name: str, eager) -> None:
     _Codec._EAGER[name] = eager
 
 
-def run_kernel(name: str, numel: int, *args):
-    """Run a registered kernel on ``numel`` elements: compiled, or eager below ``_MIN_COMPILED_NUMEL`` elements, or
-    when compiling is off or failed (``set_codec_compile``)."""
-    return _run(name, numel, *args)
-
-
 def quantize_bits(u: torch.Tensor, key: tuple[int, int], offset: int = 0, *, reflect: bool = False) -> torch.Tensor:
     """Binary randomization of ``u`` (any shape) as a flat bool tensor (``True`` = +1).
 
@@ -332,7 +328,7 @@ def quantize_bits(u: torch.Tensor, key: tuple[int, int], offset: int = 0, *, ref
     (``u >= 1``, ``+inf`` included, always gives +1, ``u <= -1`` always -1) and NaN gives -1, in the same pass.
     ``offset`` is the counter of ``u``'s first element; ``reflect`` draws with ``-1 - r`` (see :func:`antithetic`).
     """
-    return _run("bits", u.numel(), u, _key_params(key, offset, u.device), reflect)
+    return run_kernel("bits", u.numel(), u, _key_params(key, offset, u.device), reflect)
 
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
@@ -342,7 +338,7 @@ def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     full = n - n % 8
     parts = []
     if full:
-        parts.append(_run("pack", full, bits[:full].bool()))
+        parts.append(run_kernel("pack", full, bits[:full].bool()))
     if n % 8:
         tail = torch.zeros(8, dtype=torch.bool, device=bits.device)
         tail[: n % 8] = bits[full:].bool()
@@ -358,7 +354,7 @@ def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
         raise TypeError(f"unpack_bits expects a uint8 tensor, got {packed.dtype}")
     if not 0 <= numel <= 8 * packed.numel():
         raise ValueError(f"numel={numel} does not fit in {packed.numel()} packed bytes (at most {8 * packed.numel()})")
-    return _run("unpack", numel, packed.reshape(-1))[:numel].view(torch.bool)
+    return run_kernel("unpack", numel, packed.reshape(-1))[:numel].view(torch.bool)
 
 
 def quantize_pack(u: torch.Tensor, key: tuple[int, int], offset: int = 0, *, reflect: bool = False) -> torch.Tensor:
@@ -370,8 +366,8 @@ def quantize_pack(u: torch.Tensor, key: tuple[int, int], offset: int = 0, *, ref
     n = u.numel()
     full = n - n % 8
     if n % 8 == 0:
-        return _run("quantize_pack", n, u, _key_params(key, offset, u.device), reflect)
-    head = _run("quantize_pack", full, u[:full], _key_params(key, offset, u.device), reflect) if full else None
+        return run_kernel("quantize_pack", n, u, _key_params(key, offset, u.device), reflect)
+    head = run_kernel("quantize_pack", full, u[:full], _key_params(key, offset, u.device), reflect) if full else None
     tail = pack_bits(quantize_bits(u[full:], key, offset + full, reflect=reflect))
     return tail if head is None else torch.cat([head, tail])
 
@@ -383,7 +379,7 @@ def _mean_of_counts(name: str, out: torch.Tensor, rows: torch.Tensor, m: int) ->
     mt = _int32_words([m], out.device)
     head = n // 16 * 16  # the kernels write whole 16-element groups
     if head:
-        _run(name, head, rows, mt, out[:head])
+        run_kernel(name, head, rows, mt, out[:head])
     if head < n:  # the last < 16 elements, from the last bytes padded to a pair
         tail = rows.new_zeros(rows.shape[0], 2)
         last = rows[:, head // 8 : head // 8 + 2]
@@ -417,7 +413,7 @@ def requantize_pack(rows: torch.Tensor, key: tuple[int, int], offset: int = 0, *
     :func:`votes_mean_`, in one pass over the votes when compiled.
     """
     params = _key_params(key, offset, rows.device, rows.shape[0])
-    return _run("requantize_pack", 8 * rows.shape[1], rows, params, reflect)
+    return run_kernel("requantize_pack", 8 * rows.shape[1], rows, params, reflect)
 
 
 def binary_randomize(u: torch.Tensor, generator: torch.Generator | int | tuple[int, int] | None = None):
