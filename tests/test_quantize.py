@@ -5,6 +5,7 @@ from fractions import Fraction
 
 import pytest
 import torch
+from _dist import run_distributed
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -195,6 +196,11 @@ def _round_to_float32(x: Fraction) -> float:
     return min(candidates, key=lambda v: (abs(Fraction(v.item()) - x), int(v.view(torch.int32)) & 1)).item()
 
 
+def _compiled_vote_means(rank, world, count, m):
+    compiled = torch.compile(Q._vote_mean, dynamic=True, fullgraph=True)
+    return {(d, w): compiled(count, m, d, w) for d in (torch.float32, torch.float64) for w in (None, torch.float64)}
+
+
 def test_vote_mean_is_the_correctly_rounded_quotient_for_every_count():
     # (2c - m) / m for every count c <= m <= 64: the eager division, the compiled one (inductor) and the exact
     # rational rounded once agree bit for bit, in float32 and float64; so does the float64 quotient rounded to
@@ -204,11 +210,11 @@ def test_vote_mean_is_the_correctly_rounded_quotient_for_every_count():
     m = torch.tensor([m for _, m in pairs], dtype=torch.int32)
     want32 = torch.tensor([_round_to_float32(Fraction(2 * c - k, k)) for c, k in pairs], dtype=torch.float32)
     want64 = torch.tensor([float(Fraction(2 * c - k, k)) for c, k in pairs], dtype=torch.float64)
-    compiled = torch.compile(Q._vote_mean, dynamic=True, fullgraph=True)
+    [compiled] = run_distributed(_compiled_vote_means, 1, count, m, timeout=600)  # the compiler in a forked rank
     for dtype, want in ((torch.float32, want32), (torch.float64, want64)):
         for work in (None, torch.float64):
             assert torch.equal(Q._vote_mean(count, m, dtype, work), want)
-            assert torch.equal(compiled(count, m, dtype, work), want)
+            assert torch.equal(compiled[(dtype, work)], want)
     # and through the public kernel, with rows whose columns hold every count of m = 63 votes
     rows = Q.pack_bits(torch.arange(63).view(-1, 1) < torch.arange(64).view(1, -1)).view(63, -1)
     assert torch.equal(Q.votes_mean_(torch.empty(64), rows), (2 * torch.arange(64.0) - 63) / 63)
@@ -243,8 +249,10 @@ def test_bitkeys_segment_offsets_give_a_shard_the_full_parameters_bits():
         Q.BitKeys(9, 4, [0, 1], [16, 30], [21])
 
 
-@pytest.mark.parametrize("n", [45, (1 << 17) + 13])  # compiled from 16 elements up; not multiples of 8 or 16: tails
-def test_compiled_codec_is_bitwise_equal_to_eager(n):
+def _codec_compiled_and_eager(rank, world, n):
+    """Every codec kernel compiled, then eager, for the same inputs; run in a forked rank so that the compiler stays
+    out of the test process (whose later forks run autograd)."""
+    torch.manual_seed(n)
     u = torch.rand(n) * 2 - 1
     key = Q.derive_key(1, 2, 3)
     rows = _votes(3, n // 8 + 1)  # m = 3: no exact reciprocal, a division by a constant would show
@@ -267,14 +275,16 @@ def test_compiled_codec_is_bitwise_equal_to_eager(n):
             keys.requantize_pack(rows, 0, Q.STAGE_NODE, 1, reflect=True),
         )
 
-    before = Q.set_codec_compile(True)
-    try:
-        fast = run()
-        Q.set_codec_compile(False)
-        slow = run()
-    finally:
-        Q.set_codec_compile(before)
-    assert not Q._codec._failed
+    Q.set_codec_compile(True)
+    fast = run()
+    Q.set_codec_compile(False)
+    return fast, run(), sorted(Q._codec._failed)
+
+
+@pytest.mark.parametrize("n", [45, (1 << 17) + 13])  # compiled from 16 elements up; not multiples of 8 or 16: tails
+def test_compiled_codec_is_bitwise_equal_to_eager(n):
+    [(fast, slow, failed)] = run_distributed(_codec_compiled_and_eager, 1, n, timeout=600)
+    assert failed == []
     for a, b in zip(fast, slow, strict=True):
         assert torch.equal(a, b)
     assert fast[2].tolist() == [True, False, True, False, False, True]
