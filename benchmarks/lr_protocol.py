@@ -6,12 +6,15 @@ on held-out seeds (3-7) that no choice saw, and the report gives the median *and
 step at which each seed first reaches the time-to-accuracy target (95% of DDP fp32's median final, from
 ``docs/results/tta.json``).
 
-Runs use ``simulate_quality.py``'s one-process workers (bit-equal to a real 2 x 2 DDP run with the hook,
-``tests/test_simulate_workers.py``), the TTA tasks' model, data and schedule, and the same global batch.
+Birder and the one-process baselines run in ``simulate_quality.py``'s one process (bit-equal to a real 2 x 2 DDP run
+with the hook, ``tests/test_simulate_workers.py``); a method of the TTA table that only real ranks can run (PowerSGD,
+fp16, 1-bit Adam: ``--method powersgd-r4``) runs as 4 ranks (2 simulated nodes x 2) on loopback with the TTA
+worker. Both use the TTA tasks' model, data and schedule, and the same global batch.
 
     python benchmarks/lr_protocol.py --task qa --method 2x2 --grid 1e-3 2e-3 4e-3
     python benchmarks/lr_protocol.py --task qa --method 2x2 --grid 1e-3 2e-3 4e-3 --options '{"stale": "keep"}'
     python benchmarks/lr_protocol.py --task qa --method adamw --grid 1e-3 2e-3 4e-3
+    python benchmarks/lr_protocol.py --task qa --method powersgd-r4 --grid 1e-3 2e-3 4e-3   # real ranks
     python benchmarks/lr_protocol.py --task qa --report      # docs/results/lr_protocol_qa.{md,png} from the .json
 
 Resumable: a finished run is read from ``--work``, not run again.
@@ -31,6 +34,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import simulate_quality as sq  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks" / "system"))
+import tta  # noqa: E402
+
 TUNE, HELD_OUT = (0, 1, 2), (3, 4, 5, 6, 7)
 
 
@@ -39,8 +45,27 @@ def _args(task, method, lr, options, work, steps, eval_every, warmup=None):
                               eval_every=eval_every, warmup=warmup)  # fmt: skip
 
 
+REAL_RANKS = tuple(m for m in tta.METHODS if not m.startswith("birder") and m != "fp32")  # the simulation has no hook
+
+
+def _path(args, method, seed) -> Path:
+    if method not in REAL_RANKS:
+        return sq._path(args, method, seed)
+    tag = "" if sq._warmup(args) == sq.WARMUP else f"-wu{sq._warmup(args):g}"
+    return args.work / f"{args.task}-{method}-ranks4-lr{args.lr:g}{tag}-seed{seed}.jsonl"
+
+
+def _run(args, method, seed) -> None:
+    out = _path(args, method, seed)
+    if method not in REAL_RANKS:
+        sq._run(args.task, method, seed, args, out)
+        return
+    ranks = argparse.Namespace(steps=args.steps, batch=sq.GLOBAL_BATCH[args.task] // 4, nproc=4, work=args.work)
+    tta.run_local(args.task, method, args.lr, seed, ranks, out, extra=["--lr-warmup", str(sq._warmup(args))])
+
+
 def _records(args, method, seed):
-    return sq.finished_evals(sq._path(args, method, seed))
+    return sq.finished_evals(_path(args, method, seed))
 
 
 def summarize(evals: list[dict], key: str, higher: bool, target: float) -> dict:
@@ -62,7 +87,7 @@ def run_method(task, method, grid, options, work, steps, eval_every, warmup=None
         for s in seeds:
             if _records(a, method, s) is None:
                 print(f"[lr_protocol] {task} {method} lr={lr:g} {options} seed {s}", flush=True)
-                sq._run(task, method, s, a, sq._path(a, method, s))
+                _run(a, method, s)
             evals = _records(a, method, s)
             out[s] = summarize(evals, key, higher, target) | {"curve": sq.curve(evals, key)}
         return out
@@ -94,21 +119,31 @@ def run_method(task, method, grid, options, work, steps, eval_every, warmup=None
     }
 
 
-def _s_per_step(task: str, method: str) -> float | None:
-    """Seconds per step on the emulated link of the TTA table (docs/results/tta.json): Birder hierarchical's for
-    simulated workers, DDP fp32's for AdamW."""
-    row = "fp32" if method in sq.BASELINES else "birder-h"
+def _row(method: str) -> str:
+    """The TTA table's method whose seconds per step a protocol row takes: DDP fp32's for AdamW / SGDM, Birder
+    hierarchical's for simulated workers, a real-rank method's own."""
+    return "fp32" if method in sq.BASELINES else method if method in REAL_RANKS else "birder-h"
+
+
+def step_times(task: str, method: str, steptime_work: Path | None) -> dict:
+    """Seconds per step on the TTA table's emulated link, (fp32 phase, compressed phase): from a ``tta.py steptime``
+    run in ``steptime_work`` (every method measured side by side), or else the TTA table's stored ones."""
+    row = _row(method)
+    if steptime_work is not None:
+        phases = tta._phase_times(task, row, argparse.Namespace(work=steptime_work))
+        return {"s_per_step": list(phases), "source": f"tta.py steptime, {row}"}
     methods = json.loads((ROOT / "docs" / "results" / "tta.json").read_text())["tasks"][task]["methods"]
-    return methods[row]["s_per_step"][1]
+    return {"s_per_step": methods[row]["s_per_step"], "source": f"docs/results/tta.json, {row}"}
 
 
-def report(task: str, results: Path) -> str:
+def report(task: str, results: Path, steptime_work: Path | None = None) -> str:
     """A markdown table and a figure (held-out seeds' curves) from ``lr_protocol_{task}.json``."""
     store = json.loads((results / f"lr_protocol_{task}.json").read_text())
     key, higher = sq.PRIMARY[task]
     lines = [
         f"**{task}** ({key}; target {store['target']:.2f} = 95% of DDP fp32's median final; {store['protocol']}; "
-        "time = steps to the target x the TTA table's seconds per step on the Ethernet link)",
+        "time = seconds on the TTA table's Ethernet link at the step that reaches the target, PowerSGD's first 10% "
+        "at its fp32 rate)",
         "",
         "| method | tuning: median final per lr (chosen **bold**) | held-out seeds reaching the target | "
         "steps to target: median / worst | time to target (s): median / worst | final: median / worst |",
@@ -129,10 +164,12 @@ def report(task: str, results: Path) -> str:
         reached = sorted(x for x in steps if x is not None)
         worst = "not reached" if len(reached) < len(steps) else reached[-1]
         med = statistics.median([x if x is not None else math.inf for x in steps])
-        sps = _s_per_step(task, m["method"])
-        t = (lambda x, sps=sps: "not reached" if x in (None, math.inf, "not reached") else f"{x * sps:.0f}")  # noqa: E731
-        h["time_to_target_s"] = {"s_per_step": sps, "median": None if med == math.inf else med * sps,
-                                 "worst": None if worst == "not reached" else worst * sps}  # fmt: skip
+        clock = step_times(task, m["method"], steptime_work)
+        finite = [x for x in (med, worst) if isinstance(x, (int, float)) and math.isfinite(x)]
+        seconds = tta.phase_clock(*clock["s_per_step"], _row(m["method"]), m["steps"], 0.1)  # the worker's default
+        secs = {x: seconds[int(x)] for x in finite}
+        t = lambda x, secs=secs: f"{secs[x]:.0f}" if x in secs else "not reached"  # noqa: E731
+        h["time_to_target_s"] = {**clock, "median": secs.get(med), "worst": secs.get(worst)}
         lines.append(
             f"| {label} | {grid} | {h['reached']} of {h['seeds']} | {med if med != math.inf else 'not reached'} / "
             f"{worst} | {t(med)} / {t(worst)} | {h['median']:.1f} / {h['worst']:.1f} |"
@@ -147,7 +184,11 @@ def report(task: str, results: Path) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--task", choices=tuple(sq.PRIMARY), default="qa")
-    ap.add_argument("--method", default="2x2", help="KxL simulated Birder workers, or adamw / sgdm")
+    ap.add_argument(
+        "--method",
+        default="2x2",
+        help=f"KxL simulated Birder workers, adamw / sgdm (one process), or real ranks: {REAL_RANKS}",
+    )
     ap.add_argument("--grid", nargs="+", type=float, default=[1e-3, 2e-3, 4e-3])
     ap.add_argument("--options", default="{}", help="Birder keyword arguments as JSON")
     ap.add_argument("--warmup", type=float, default=None, help=f"warm-up fraction (default {sq.WARMUP})")
@@ -157,9 +198,12 @@ def main(argv=None) -> int:
     ap.add_argument("--work", type=Path, default=ROOT / "outputs" / "simulate_quality")
     ap.add_argument("--results", type=Path, default=ROOT / "docs" / "results")
     ap.add_argument("--report", action="store_true", help="write the table and figure from the stored JSON")
+    ap.add_argument("--steptime", type=Path, default=None,
+                    help="a tta.py --work folder with a steptime run: take the seconds per step from it "
+                    "(default: docs/results/tta.json's)")  # fmt: skip
     args = ap.parse_args(argv)
     if args.report:
-        print(report(args.task, args.results))
+        print(report(args.task, args.results, args.steptime))
         return 0
     import torch
 

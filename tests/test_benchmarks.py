@@ -240,3 +240,36 @@ def test_tta_report_composes_the_clock_and_finds_the_time_to_target(tmp_path):
     # tasks are calibrated (and tuned) one invocation at a time: a second task's result keeps the first's
     tta._merge(work / "rates.json", {"qa": {"rate_mbit": 30.0}})
     assert json.loads((work / "rates.json").read_text()) == {"lm": {"rate_mbit": 40.0}, "qa": {"rate_mbit": 30.0}}
+
+
+def test_lr_protocol_times_each_row_on_its_own_clock(tmp_path):
+    """A real-rank row (PowerSGD: its first 10% of the steps at the fp32 phase's rate) and a simulated Birder row,
+    both timed from one steptime run; a seed that never reaches the target makes the worst 'not reached'."""
+    protocol = _load("lr_protocol")
+    work, results = tmp_path / "work", tmp_path / "results"
+    results.mkdir()
+    _tta_files(work, "qa", "powersgd-r4", [], [1.0] * 10 + [0.5] * 10, 0)
+    _tta_files(work, "qa", "birder-h", [], [0.25] * 20, 0)
+
+    def row(method, to_target):
+        seeds = {
+            str(s): {"final": 55.0, "step_to_target": t, "curve": {"steps": [0, 10, 20], "f1": [1.0, 51.0, 55.0]}}
+            for s, t in zip((3, 4, 5), to_target, strict=True)
+        }
+        held = {"per_seed": seeds, "median": 55.0, "worst": 55.0, "reached": sum(t is not None for t in to_target)}
+        tuning = {"0.002": {"median": 55.0, "disqualified": False}}
+        return {"method": method, "steps": 20, "chosen": 0.002, "tuning": tuning, "held_out": held | {"seeds": 3}}
+
+    store = {"target": 50.0, "protocol": "test", "methods": {"P": row("powersgd-r4", [10, 10, None]),
+                                                             "B": row("2x2", [10, 20, 10])}}  # fmt: skip
+    (results / "lr_protocol_qa.json").write_text(json.dumps(store))
+    table = protocol.report("qa", results, work)
+    times = {k: m["held_out"]["time_to_target_s"] for k, m in json.loads(
+        (results / "lr_protocol_qa.json").read_text())["methods"].items()}  # fmt: skip
+    # PowerSGD: warm-up max(2, 10% of 20) = 2 steps at 1 s, then 8 at 0.5 s; Birder: 10 and 20 steps at 0.25 s
+    assert times["P"]["median"] == pytest.approx(2 * 1.0 + 8 * 0.5) and times["P"]["worst"] is None
+    assert (times["B"]["median"], times["B"]["worst"]) == (2.5, 5.0)
+    assert times["P"]["s_per_step"] == [1.0, 0.5] and "steptime" in times["P"]["source"]
+    assert "| P | **0.002: 55.0** | 2 of 3 | 10 / not reached | 6 / not reached |" in table
+    args = protocol._args("qa", "powersgd-r4", 2e-3, "{}", work, 600, 50)
+    assert protocol._path(args, "powersgd-r4", 3).name == "qa-powersgd-r4-ranks4-lr0.002-seed3.jsonl"

@@ -9,8 +9,8 @@ The tasks are the recipes' embedded ones, built from the recipes' own code: ``qa
 SQuAD-format set, SQuAD F1: ``recipes/bert_base.py``), ``image`` (timm ResNet-18 on the embedded digits, top-1:
 ``recipes/resnet50.py``) and ``lm`` (the causal-LM recipe's tiny GPT-2 on the standard library's source,
 validation perplexity: ``recipes/causal_lm.py``). Every method trains the same model from the same initial
-weights on the same batches, with the same learning-rate schedule (linear warm-up over 5% of the steps, then
-linear decay to 0):
+weights on the same batches, with the same learning-rate schedule (linear warm-up over 5% of the steps, or
+``--lr-warmup``, then linear decay to 0):
 
 - ``fp32``: DDP's fp32 all-reduce with the task's usual optimizer (AdamW; SGD with momentum for ``image``);
 - ``fp16``: torch's ``fp16_compress_hook``, same optimizer;
@@ -275,6 +275,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=16, help="samples per process per step")
     ap.add_argument("--nodes", type=int, default=None, help="simulate this many nodes (default: the launcher's)")
     ap.add_argument("--warmup-frac", type=float, default=0.1, help="PowerSGD / 1-bit Adam fp32 warm-up share")
+    ap.add_argument("--lr-warmup", type=float, default=0.05, help="linear learning-rate warm-up share of the steps")
     ap.add_argument("--qa-train", type=int, default=2400)
     ap.add_argument("--qa-eval", type=int, default=240)
     ap.add_argument("--no-eval", action="store_true", help="time the steps only (evaluate once at the end)")
@@ -301,7 +302,7 @@ def main(argv=None) -> int:
         warm_codec(Topology.flat(solo_group), sum(p.numel() for p in task.model.parameters()))
     ddp = DDP(task.model, init_sync=False)  # same seed everywhere: identical initial weights
     opt = setup_method(args.method, task, ddp, args, topo)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.steps, args.lr_warmup))
     tag = json.loads(args.tag) if args.tag else {}
     base = dict(
         tag,
@@ -313,6 +314,7 @@ def main(argv=None) -> int:
         world_size=world,
         topology=repr(topo),
         batch_per_proc=args.batch,
+        lr_warmup=args.lr_warmup,
     )
 
     def emit(rec):

@@ -280,7 +280,7 @@ def breakdown(rec: dict, refs: dict[str, dict]) -> dict | None:
     """
     if "ref-compute" not in refs:
         return None
-    ref = "ref-birder" if rec["method"].startswith("birder") else f"ref-{rec['method']}"
+    ref = _own_ref(rec)
     base = refs["ref-compute"]
     if rec.get("cpu_s") is not None and base.get("cpu_s") is not None:
         compute = base["cpu_s"]
@@ -345,6 +345,11 @@ def summarize(records: list[dict]) -> list[dict]:
     return rows
 
 
+def _own_ref(rec: dict) -> str:
+    """The method's one-rank reference: its codec and optimizer without the wire (every Birder method: ref-birder)."""
+    return "ref-birder" if rec["method"].startswith("birder") else f"ref-{rec['method']}"
+
+
 def bounds(rec: dict, base: dict | None, refs: dict[str, dict]) -> dict:
     """The most a method could gain over fp32 with a free network, from the references of the same rounds (wall time):
 
@@ -353,9 +358,11 @@ def bounds(rec: dict, base: dict | None, refs: dict[str, dict]) -> dict:
     - ``share_of_bound``: the method's ratio over ``bound_vs_fp32``.
     """
     nocomm = refs.get("ref-compute")
-    own = refs.get("ref-birder" if rec["method"].startswith("birder") else f"ref-{rec['method']}")
+    own = refs.get(_own_ref(rec))
     if base is None or nocomm is None:
-        return {"bound_vs_fp32": None, "codec_bound_vs_fp32": None, "share_of_bound": None}
+        keys = ("bound_vs_fp32", "codec_bound_vs_fp32", "share_of_bound", "share_of_bound_paired_median",
+                "ratio_vs_fp32_paired_median")  # fmt: skip
+        return dict.fromkeys(keys)
     bound = base["step_s_mean"] / nocomm["step_s_mean"]
     ratio = base["step_s_mean"] / rec["step_s_mean"]
     return {

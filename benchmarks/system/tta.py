@@ -322,7 +322,12 @@ def _link_mb(task: str, method: str, args) -> float | None:
 
 def composed_clock(task, method, steps: int, warmup_frac: float, args) -> list[float]:
     """Seconds of training on the link after each step 0..steps."""
-    fp32_phase, compressed = _phase_times(task, method, args)
+    return phase_clock(*_phase_times(task, method, args), method, steps, warmup_frac)
+
+
+def phase_clock(fp32_phase: float, compressed: float, method: str, steps: int, warmup_frac: float) -> list[float]:
+    """Seconds after each step 0..steps: PowerSGD and 1-bit Adam run their first ``warmup_frac`` of the steps (the
+    worker's ``--warmup-frac``, at least 2) at the fp32 phase's rate, every other step at the compressed rate."""
     warm = max(2, round(warmup_frac * steps)) if (method.startswith("powersgd") or method == "onebitadam") else 0
     clock, t = [0.0], 0.0
     for s in range(1, steps + 1):
