@@ -62,6 +62,8 @@ def recipe_args(method: str, seed: int, cfg: argparse.Namespace) -> list[str]:
         str(cfg.birder_lr if method.endswith("birder") else cfg.adamw_lr),
         "--max_eval_blocks",
         str(cfg.max_eval_blocks),
+        "--warmup_steps",
+        str(cfg.warmup_steps),
         *cfg.extra,
     ]
 
@@ -189,6 +191,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--birder_lr", type=float, default=5e-4, help="Birder's learning rate (both layouts).")
     p.add_argument("--adamw_lr", type=float, default=2e-3, help="AdamW's learning rate.")
     p.add_argument("--max_eval_blocks", type=int, default=256)
+    p.add_argument("--warmup_steps", type=float, default=20, help="The stored runs': 20 of 150 steps.")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="More recipe arguments (last).")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--work_dir", type=Path, default=ROOT / "outputs" / "hsdp_convergence")

@@ -136,9 +136,10 @@ def step_times(task: str, method: str, steptime_work: Path | None) -> dict:
     return {"s_per_step": methods[row]["s_per_step"], "source": f"docs/results/tta.json, {row}"}
 
 
-def report(task: str, results: Path, steptime_work: Path | None = None) -> str:
-    """A markdown table and a figure (held-out seeds' curves) from ``lr_protocol_{task}.json``."""
-    store = json.loads((results / f"lr_protocol_{task}.json").read_text())
+def report(task: str, results: Path, steptime_work: Path | None = None, tag: str = "") -> str:
+    """A markdown table and a figure (held-out seeds' curves) from ``lr_protocol_{task}{tag}.json``."""
+    name = f"lr_protocol_{task}{tag}"
+    store = json.loads((results / f"{name}.json").read_text())
     key, higher = sq.PRIMARY[task]
     lines = [
         f"**{task}** ({key}; target {store['target']:.2f} = 95% of DDP fp32's median final; {store['protocol']}; "
@@ -176,9 +177,9 @@ def report(task: str, results: Path, steptime_work: Path | None = None) -> str:
         )
         bands.append((f"{label} (lr {m['chosen']:g})", [r["curve"] for r in h["per_seed"].values()]))
     title = f"{task}: held-out seeds 3-7, median and range"
-    sq.plot_seed_bands(bands, key, store["target"], title, results / f"lr_protocol_{task}.png")
-    lines.insert(2, f"<!-- numbers: docs/results/lr_protocol_{task}.json -->")
-    return sq.write_results(results / f"lr_protocol_{task}", store, lines)  # the JSON with the times
+    sq.plot_seed_bands(bands, key, store["target"], title, results / f"{name}.png")
+    lines.insert(2, f"<!-- numbers: docs/results/{name}.json -->")
+    return sq.write_results(results / name, store, lines)  # the JSON with the times
 
 
 def main(argv=None) -> int:
@@ -198,12 +199,13 @@ def main(argv=None) -> int:
     ap.add_argument("--work", type=Path, default=ROOT / "outputs" / "simulate_quality")
     ap.add_argument("--results", type=Path, default=ROOT / "docs" / "results")
     ap.add_argument("--report", action="store_true", help="write the table and figure from the stored JSON")
+    ap.add_argument("--tag", default="", help="results file suffix: lr_protocol_{task}{tag}.json")
     ap.add_argument("--steptime", type=Path, default=None,
                     help="a tta.py --work folder with a steptime run: take the seconds per step from it "
                     "(default: docs/results/tta.json's)")  # fmt: skip
     args = ap.parse_args(argv)
     if args.report:
-        print(report(args.task, args.results, args.steptime))
+        print(report(args.task, args.results, args.steptime, args.tag))
         return 0
     import torch
 
@@ -213,7 +215,7 @@ def main(argv=None) -> int:
     res = run_method(args.task, args.method, args.grid, args.options, args.work, steps, args.eval_every, args.warmup)
     label = args.label or args.method + ("" if args.options == "{}" else " " + args.options)
     args.results.mkdir(parents=True, exist_ok=True)
-    out = args.results / f"lr_protocol_{args.task}.json"
+    out = args.results / f"lr_protocol_{args.task}{args.tag}.json"
     store = json.loads(out.read_text()) if out.exists() else {"task": args.task, "target": sq.tta_target(args.task)}
     store.setdefault("methods", {})[label] = {"method": args.method, "options": json.loads(args.options),
                                              "steps": steps, "warmup": sq._warmup(args),
