@@ -1,6 +1,7 @@
 """The 1-bit codec: unbiasedness, bit packing, counter-based keys, compiled == eager."""
 
 import math
+import threading
 from fractions import Fraction
 
 import pytest
@@ -288,3 +289,27 @@ def test_compiled_codec_is_bitwise_equal_to_eager(n):
     for a, b in zip(fast, slow, strict=True):
         assert torch.equal(a, b)
     assert fast[2].tolist() == [True, False, True, False, False, True]
+
+
+def _graphs_after_calls_in_both_grad_modes(rank, world):
+    from torch._dynamo.utils import counters
+
+    Q.set_codec_compile(True)
+    rows = torch.randint(0, 256, (3, 64), dtype=torch.uint8)
+
+    def call():
+        Q.votes_mean_(torch.empty(512), rows)
+
+    call()  # grad enabled (as on gloo's callback thread, and in the DDP hook)
+    with torch.no_grad():  # as in step()
+        call()
+    thread = threading.Thread(target=call)  # a new thread starts with grad enabled
+    thread.start()
+    thread.join()
+    return counters["stats"]["unique_graphs"]
+
+
+def test_a_codec_kernel_compiles_once_whatever_the_callers_grad_mode():
+    # grad mode is thread-local and guarded by a compiled kernel: a kernel first called in the other mode recompiled,
+    # a stall of a second or more at a step set by which thread ran the codec first
+    assert run_distributed(_graphs_after_calls_in_both_grad_modes, 1, timeout=600) == [1]

@@ -280,7 +280,11 @@ class _Codec:
         if fn is self._EAGER[name]:
             return fn(*args)
         try:
-            return fn(*args)
+            # grad mode is thread-local and part of a compiled kernel's guards: the codec runs in the caller's thread
+            # (the DDP hook inside backward, step() under no_grad) and on gloo's callback thread, so without this a
+            # kernel recompiles (a second or more) whenever it first runs in the other mode, at a step set by timing
+            with torch.no_grad():
+                return fn(*args)
         except Exception as exc:  # no C++ compiler, unsupported device, recompile limit, ...
             if not self._failed:  # warn once
                 message = f"birder_hf: torch.compile of codec kernel {name!r} failed ({type(exc).__name__}: {exc}); "
