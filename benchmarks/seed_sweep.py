@@ -25,58 +25,52 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import lr_protocol  # noqa: E402
 import simulate_quality as sq  # noqa: E402
 
-# (row label in lr_protocol_{task}.json, simulate_quality workers, Birder options, warm-up fraction)
-VARIANTS = [
-    ("Birder, fade (default)", "2x2", {"stale": "fade"}, 0.05),
-    ("Birder, fade, warm-up 20%", "2x2", {"stale": "fade"}, 0.2),
-    ("Birder, paper's update (keep)", "2x2", {"stale": "keep"}, 0.05),
-    ("AdamW", "adamw", {}, 0.05),
-]
-
 
 def _seeds(spec: str) -> list[int]:
     lo, _, hi = spec.partition("-")
     return list(range(int(lo), int(hi or lo) + 1))
 
 
-def sweep(task: str, seeds: list[int], works: list[Path], results: Path) -> dict:
+def sweep(task: str, seeds: list[int], works: list[Path], results: Path, tag: str = "", steptime=None) -> dict:
+    """Every row of ``lr_protocol_{task}{tag}.json`` on ``seeds``: its held-out curves from there, the other seeds'
+    from the run files in ``works`` (a seed with no finished run is left out)."""
     key, higher = sq.PRIMARY[task]
     target = sq.tta_target(task)
-    protocol = json.loads((results / f"lr_protocol_{task}.json").read_text())["methods"]
+    protocol = json.loads((results / f"lr_protocol_{task}{tag}.json").read_text())["methods"]
     out = {"task": task, "metric": key, "target": target, "seeds": seeds, "variants": {}}
-    for label, workers, options, warmup in VARIANTS:
-        if label not in protocol:
-            print(f"[seed_sweep] {label!r} is not in lr_protocol_{task}.json yet: skipped", flush=True)
+    for label, row in protocol.items():
+        if not row.get("held_out"):
             continue
-        row = protocol[label]
-        lr, held = row["chosen"], row["held_out"]["per_seed"]
+        lr, held, warmup = row["chosen"], row["held_out"]["per_seed"], row.get("warmup") or sq.WARMUP
         per_seed = {}
         for seed in seeds:
-            if str(seed) in held:
-                curve = held[str(seed)]["curve"]
-            else:
-                curve = _curve(task, workers, lr, options, warmup, seed, works, key)
-                if curve is None:
-                    continue
+            curve = held[str(seed)]["curve"] if str(seed) in held else _curve(task, row, warmup, seed, works, key)
+            if curve is None:
+                continue
             evals = [{"step": s, key: v} for s, v in zip(curve["steps"], curve[key])]
             per_seed[seed] = lr_protocol.summarize(evals, key, higher, target) | {"curve": curve}
         finals = [r["final"] for r in per_seed.values()]
         steps = sorted(r["step_to_target"] or math.inf for r in per_seed.values())
+        clock = lr_protocol.step_times(task, row["method"], steptime)
+        seconds = lr_protocol.tta.phase_clock(*clock["s_per_step"], lr_protocol._row(row["method"]), row["steps"], 0.1)
+        at = lambda x, seconds=seconds: None if x == math.inf else seconds[int(x)]  # noqa: E731
         out["variants"][label] = {
-            "lr": lr, "warmup": warmup, "options": options, "per_seed": per_seed,
+            "method": row["method"], "lr": lr, "warmup": warmup, "options": row["options"], "per_seed": per_seed,
             "reached": sum(s != math.inf for s in steps), "missed": [s for s, r in per_seed.items() if
                                                                     r["step_to_target"] is None],
             "steps_to_target_median": statistics.median(steps), "steps_to_target_worst": steps[-1],
             "final_median": statistics.median(finals), "final_worst": (min if higher else max)(finals),
-            "s_per_step": lr_protocol._s_per_step(task, workers),
+            "clock": clock, "time_to_target_median_s": at(statistics.median(steps)),
+            "time_to_target_worst_s": at(steps[-1]),
         }  # fmt: skip
     return out
 
 
-def _curve(task, workers, lr, options, warmup, seed, works, key) -> dict | None:
+def _curve(task, row, warmup, seed, works, key) -> dict | None:
     for work in works:
-        args = argparse.Namespace(task=task, lr=lr, options=json.dumps(options), work=work, warmup=warmup)
-        evals = sq.finished_evals(sq._path(args, workers, seed))
+        args = lr_protocol._args(task, row["method"], row["chosen"], json.dumps(row["options"]), work, row["steps"],
+                                 50, warmup)  # fmt: skip
+        evals = sq.finished_evals(lr_protocol._path(args, row["method"], seed))
         if evals is not None:
             return sq.curve(evals, key)
     return None
@@ -94,7 +88,7 @@ def _ranges(seeds: list[int]) -> str:
 
 
 def report(res: dict, results: Path) -> str:
-    key, name = res["metric"], f"seed_sweep_{res['task']}"
+    key, name = res["metric"], f"seed_sweep_{res['task']}{res.get('tag', '')}"
     shown = lambda x: "not reached" if x == math.inf else f"{x:.0f}"  # noqa: E731
     lines = [
         f"<!-- numbers: docs/results/{name}.json -->",
@@ -108,7 +102,7 @@ def report(res: dict, results: Path) -> str:
             f"| {label} | {v['lr']:g} | {v['warmup']:.0%} | {_ranges(seeds)} | "
             f"{v['reached']} of {len(seeds)} | {', '.join(map(str, v['missed'])) or 'none'} | "
             f"{shown(v['steps_to_target_median'])} / {shown(v['steps_to_target_worst'])} | "
-            f"{shown(v['steps_to_target_median'] * v['s_per_step'])} | "
+            f"{shown(v['time_to_target_median_s'] or math.inf)} | "
             f"{v['final_median']:.1f} / {v['final_worst']:.1f} |"
         )
     bands = [(f"{label} (lr {v['lr']:g})", [r["curve"] for r in v["per_seed"].values()])
@@ -120,8 +114,6 @@ def report(res: dict, results: Path) -> str:
         v["steps_to_target_median"], v["steps_to_target_worst"] = map(
             finite, (v["steps_to_target_median"], v["steps_to_target_worst"])
         )
-        median = v["steps_to_target_median"]  # seconds on the TTA table's Ethernet link
-        v["time_to_target_median_s"] = None if median is None else median * v["s_per_step"]
     return sq.write_results(results / name, res, lines)
 
 
@@ -131,8 +123,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", default="3-13", help="a range, e.g. 3-13")
     ap.add_argument("--work", type=Path, nargs="+", default=[ROOT / "outputs" / "simulate_quality"])
     ap.add_argument("--results", type=Path, default=ROOT / "docs" / "results")
+    ap.add_argument("--tag", default="", help="the protocol file lr_protocol_{task}{tag}.json; results get it too")
+    ap.add_argument("--steptime", type=Path, default=None, help="as lr_protocol.py --report --steptime")
     args = ap.parse_args(argv)
-    print(report(sweep(args.task, _seeds(args.seeds), args.work, args.results), args.results))
+    res = sweep(args.task, _seeds(args.seeds), args.work, args.results, args.tag, args.steptime)
+    print(report(res | {"tag": args.tag}, args.results))
     return 0
 
 
