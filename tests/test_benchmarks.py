@@ -6,6 +6,7 @@ two network namespaces) when namespaces can be created (skipped otherwise), and 
 
 import importlib.util
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -273,3 +274,30 @@ def test_lr_protocol_times_each_row_on_its_own_clock(tmp_path):
     assert "| P | **0.002: 55.0** | 2 of 3 | 10 / not reached | 6 / not reached |" in table
     args = protocol._args("qa", "powersgd-r4", 2e-3, "{}", work, 600, 50)
     assert protocol._path(args, "powersgd-r4", 3).name == "qa-powersgd-r4-ranks4-lr0.002-seed3.jsonl"
+
+
+def test_seed_sweep_reads_later_seeds_of_every_protocol_row(tmp_path):
+    """Held-out seeds from the protocol file, later seeds from run files (a real-rank row's own file name); a seed
+    without a finished run is left out; times on the row's own clock."""
+    sweep = _load("seed_sweep")
+    work, results = tmp_path / "work", tmp_path / "results"
+    work.mkdir()
+    results.mkdir()
+    curve = {"steps": [0, 10, 20], "f1": [1.0, 51.0, 55.0]}
+    row = {"method": "powersgd-r4", "options": {}, "warmup": 0.05, "steps": 20, "chosen": 0.002,
+           "held_out": {"per_seed": {"3": {"final": 55.0, "step_to_target": 20, "curve": curve}}}}  # fmt: skip
+    (results / "lr_protocol_qa_t.json").write_text(json.dumps({"methods": {"P": row}}))
+    args = sweep.lr_protocol._args("qa", "powersgd-r4", 0.002, "{}", work, 20, 50)
+    lines = [{"kind": "eval", "step": s, "f1": v} for s, v in ((0, 1.0), (10, 40.0), (20, 45.0))]
+    sweep.lr_protocol._path(args, "powersgd-r4", 8).write_text(
+        "".join(json.dumps(r) + "\n" for r in [*lines, {"kind": "done"}])
+    )
+    res = sweep.sweep("qa", [3, 8, 9], [work], results, "_t", None)["variants"]["P"]
+    assert sorted(res["per_seed"]) == [3, 8]  # seed 9 has no run
+    assert (res["reached"], res["missed"]) == (1, [8])  # 45 < the QA target (53.40)
+    # docs/results/tta.json's PowerSGD rank 4 clock: 2 fp32-phase steps, then 18 compressed
+    fp32_phase, compressed = res["clock"]["s_per_step"]
+    assert res["time_to_target_median_s"] is None  # the median of (20, never) is never
+    assert res["steps_to_target_worst"] == math.inf
+    alone = sweep.sweep("qa", [3], [work], results, "_t", None)["variants"]["P"]
+    assert alone["time_to_target_median_s"] == pytest.approx(2 * fp32_phase + 18 * compressed)
