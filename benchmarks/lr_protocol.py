@@ -136,6 +136,13 @@ def step_times(task: str, method: str, steptime_work: Path | None) -> dict:
     return {"s_per_step": methods[row]["s_per_step"], "source": f"docs/results/tta.json, {row}"}
 
 
+def seconds_on_link(task: str, method: str, steps: int, steptime_work: Path | None) -> tuple[dict, list[float]]:
+    """:func:`step_times` and the seconds on the link after each step 0..steps (PowerSGD's first 10%, the TTA
+    worker's default ``--warmup-frac``, at its fp32-phase rate)."""
+    clock = step_times(task, method, steptime_work)
+    return clock, tta.phase_clock(*clock["s_per_step"], _row(method), steps, 0.1)
+
+
 def report(task: str, results: Path, steptime_work: Path | None = None, tag: str = "") -> str:
     """A markdown table and a figure (held-out seeds' curves) from ``lr_protocol_{task}{tag}.json``."""
     name = f"lr_protocol_{task}{tag}"
@@ -165,9 +172,8 @@ def report(task: str, results: Path, steptime_work: Path | None = None, tag: str
         reached = sorted(x for x in steps if x is not None)
         worst = "not reached" if len(reached) < len(steps) else reached[-1]
         med = statistics.median([x if x is not None else math.inf for x in steps])
-        clock = step_times(task, m["method"], steptime_work)
+        clock, seconds = seconds_on_link(task, m["method"], m["steps"], steptime_work)
         finite = [x for x in (med, worst) if isinstance(x, (int, float)) and math.isfinite(x)]
-        seconds = tta.phase_clock(*clock["s_per_step"], _row(m["method"]), m["steps"], 0.1)  # the worker's default
         secs = {x: seconds[int(x)] for x in finite}
         t = lambda x, secs=secs: f"{secs[x]:.0f}" if x in secs else "not reached"  # noqa: E731
         h["time_to_target_s"] = {**clock, "median": secs.get(med), "worst": secs.get(worst)}

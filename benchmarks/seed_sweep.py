@@ -51,8 +51,7 @@ def sweep(task: str, seeds: list[int], works: list[Path], results: Path, tag: st
             per_seed[seed] = lr_protocol.summarize(evals, key, higher, target) | {"curve": curve}
         finals = [r["final"] for r in per_seed.values()]
         steps = sorted(r["step_to_target"] or math.inf for r in per_seed.values())
-        clock = lr_protocol.step_times(task, row["method"], steptime)
-        seconds = lr_protocol.tta.phase_clock(*clock["s_per_step"], lr_protocol._row(row["method"]), row["steps"], 0.1)
+        clock, seconds = lr_protocol.seconds_on_link(task, row["method"], row["steps"], steptime)
         at = lambda x, seconds=seconds: None if x == math.inf else seconds[int(x)]  # noqa: E731
         out["variants"][label] = {
             "method": row["method"], "lr": lr, "warmup": warmup, "options": row["options"], "per_seed": per_seed,
