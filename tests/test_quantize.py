@@ -294,6 +294,11 @@ def test_compiled_codec_is_bitwise_equal_to_eager(n):
 def _graphs_after_calls_in_both_grad_modes(rank, world):
     from torch._dynamo.utils import counters
 
+    # a fresh compiler state: the fork inherits the parent's compiled kernels and counters (the full suite compiles
+    # codec kernels before this test)
+    torch._dynamo.reset()
+    Q._codec._compiled.clear()
+    counters.clear()
     Q.set_codec_compile(True)
     rows = torch.randint(0, 256, (3, 64), dtype=torch.uint8)
 
