@@ -15,6 +15,7 @@ worker. Both use the TTA tasks' model, data and schedule, and the same global ba
     python benchmarks/lr_protocol.py --task qa --method 2x2 --grid 1e-3 2e-3 4e-3 --options '{"stale": "keep"}'
     python benchmarks/lr_protocol.py --task qa --method adamw --grid 1e-3 2e-3 4e-3
     python benchmarks/lr_protocol.py --task qa --method powersgd-r4 --grid 1e-3 2e-3 4e-3   # real ranks
+    python benchmarks/lr_protocol.py --task qa --method powersgd-r4 --rate-from adamw   # AdamW's rate, untuned
     python benchmarks/lr_protocol.py --task qa --report      # docs/results/lr_protocol_qa.{md,png} from the .json
 
 Resumable: a finished run is read from ``--work``, not run again.
@@ -76,8 +77,11 @@ def summarize(evals: list[dict], key: str, higher: bool, target: float) -> dict:
     return {"final": final, "step_to_target": reached, "diverged": diverged}
 
 
-def run_method(task, method, grid, options, work, steps, eval_every, warmup=None) -> dict:
-    """Tune on TUNE, pick by median (diverged seeds disqualify), run HELD_OUT at the pick. Runs what is missing."""
+def run_method(task, method, grid, options, work, steps, eval_every, warmup=None, rate_from=None) -> dict:
+    """Tune on TUNE, pick by median (diverged seeds disqualify), run HELD_OUT at the pick. Runs what is missing.
+
+    ``rate_from`` (a rate chosen by another row) skips the tuning: the row of a wrapper (PowerSGD, fp16 around
+    AdamW) takes its optimizer's rate, as a user switching on the hook does (the TTA table's ``SHARED_LR``)."""
     key, higher = sq.PRIMARY[task]
     target = sq.tta_target(task)
 
@@ -93,16 +97,19 @@ def run_method(task, method, grid, options, work, steps, eval_every, warmup=None
         return out
 
     tuning = {}
-    for lr in grid:
+    for lr in [] if rate_from is not None else grid:
         res = runs(lr, TUNE)
         finals = [r["final"] for r in res.values()]
         ok = not any(r["diverged"] for r in res.values())
         tuning[f"{lr:g}"] = {"median": statistics.median(finals), "disqualified": not ok,
                              "per_seed": {s: r["final"] for s, r in res.items()}}  # fmt: skip
     candidates = {lr: t for lr, t in tuning.items() if not t["disqualified"]}
-    if not candidates:
+    if rate_from is not None:
+        best = rate_from
+    elif not candidates:
         return {"tuning": tuning, "chosen": None}
-    best = (max if higher else min)(candidates, key=lambda lr: candidates[lr]["median"])
+    else:
+        best = (max if higher else min)(candidates, key=lambda lr: candidates[lr]["median"])
     held = runs(float(best), HELD_OUT)
     finals = [r["final"] for r in held.values()]
     steps_to = [r["step_to_target"] for r in held.values()]
@@ -159,10 +166,13 @@ def report(task: str, results: Path, steptime_work: Path | None = None, tag: str
     ]
     bands = []
     for label, m in store["methods"].items():
-        grid = ", ".join(
-            ("**{}: {:.1f}**" if float(lr) == m["chosen"] else "{}: {:.1f}").format(lr, t["median"])
-            + (" (diverged)" if t["disqualified"] else "")
-            for lr, t in m["tuning"].items()
+        grid = (
+            ", ".join(
+                ("**{}: {:.1f}**" if float(lr) == m["chosen"] else "{}: {:.1f}").format(lr, t["median"])
+                + (" (diverged)" if t["disqualified"] else "")
+                for lr, t in m["tuning"].items()
+            )
+            or f"{m['rate_from']}'s {m['chosen']:g} (not tuned)"
         )
         h = m.get("held_out")
         if not h:
@@ -206,6 +216,9 @@ def main(argv=None) -> int:
     ap.add_argument("--results", type=Path, default=ROOT / "docs" / "results")
     ap.add_argument("--report", action="store_true", help="write the table and figure from the stored JSON")
     ap.add_argument("--tag", default="", help="results file suffix: lr_protocol_{task}{tag}.json")
+    ap.add_argument("--rate-from", default=None, metavar="LABEL",
+                    help="no tuning: take the rate the row LABEL of the same results file chose (a wrapper such as "
+                    "PowerSGD takes its optimizer's), and run the held-out seeds only")  # fmt: skip
     ap.add_argument("--steptime", type=Path, default=None,
                     help="a tta.py --work folder with a steptime run: take the seconds per step from it "
                     "(default: docs/results/tta.json's)")  # fmt: skip
@@ -218,14 +231,24 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     steps = args.steps or json.loads((ROOT / "docs" / "results" / "tta.json").read_text())["tasks"][args.task]["steps"]
     args.work.mkdir(parents=True, exist_ok=True)
-    res = run_method(args.task, args.method, args.grid, args.options, args.work, steps, args.eval_every, args.warmup)
+    out = args.results / f"lr_protocol_{args.task}{args.tag}.json"
+    rate = None
+    if args.rate_from is not None:
+        rows = json.loads(out.read_text())["methods"] if out.exists() else {}
+        rate = rows.get(args.rate_from, {}).get("chosen")
+        if rate is None:
+            raise SystemExit(f"--rate-from {args.rate_from!r}: no row of {out} with that label has chosen a rate; run "
+                             f"it first (rows there: {sorted(rows)})")  # fmt: skip
+    res = run_method(args.task, args.method, args.grid, args.options, args.work, steps, args.eval_every, args.warmup,
+                     rate)  # fmt: skip
     label = args.label or args.method + ("" if args.options == "{}" else " " + args.options)
     args.results.mkdir(parents=True, exist_ok=True)
-    out = args.results / f"lr_protocol_{args.task}{args.tag}.json"
     store = json.loads(out.read_text()) if out.exists() else {"task": args.task, "target": sq.tta_target(args.task)}
     store.setdefault("methods", {})[label] = {"method": args.method, "options": json.loads(args.options),
                                              "steps": steps, "warmup": sq._warmup(args),
-                                             "grid": args.grid, **res}  # fmt: skip
+                                             "grid": [] if rate else args.grid, **res}  # fmt: skip
+    if rate:
+        store["methods"][label]["rate_from"] = args.rate_from
     store["protocol"] = f"tune on seeds {list(TUNE)} by the median final, evaluate on held-out seeds {list(HELD_OUT)}"
     out.write_text(json.dumps(store, indent=1) + "\n")
     h = res.get("held_out")

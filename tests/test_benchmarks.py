@@ -276,6 +276,42 @@ def test_lr_protocol_times_each_row_on_its_own_clock(tmp_path):
     assert protocol._path(args, "powersgd-r4", 3).name == "qa-powersgd-r4-ranks4-lr0.002-seed3.jsonl"
 
 
+def test_lr_protocol_rate_from_takes_another_rows_rate_and_runs_only_the_held_out_seeds(tmp_path):
+    """``--rate-from``: a wrapper's row (PowerSGD around AdamW) takes the named row's chosen rate untuned; the held-out
+    runs are read from finished files (nothing runs); an unknown row is a clear error that writes nothing."""
+    protocol = _load("lr_protocol")
+    work, results = tmp_path / "work", tmp_path / "results"
+    work.mkdir()
+    results.mkdir()
+    store = {
+        "task": "qa",
+        "target": 53.4,
+        "methods": {
+            "A": {"method": "adamw", "chosen": 0.002, "tuning": {"0.002": {"median": 55.0, "disqualified": False}}}
+        },
+    }
+    (results / "lr_protocol_qa_t.json").write_text(json.dumps(store))
+    args = protocol._args("qa", "powersgd-r4", 0.002, "{}", work, 20, 10)
+    for seed in protocol.HELD_OUT:
+        lines = [{"kind": "eval", "step": s, "f1": v} for s, v in ((0, 1.0), (10, 40.0 + seed), (20, 60.0 + seed))]
+        protocol._path(args, "powersgd-r4", seed).write_text(
+            "".join(json.dumps(r) + "\n" for r in [*lines, {"kind": "done"}])
+        )
+    common = ["--task", "qa", "--method", "powersgd-r4", "--steps", "20", "--eval-every", "10", "--tag", "_t"]
+    common += ["--work", str(work), "--results", str(results), "--label", "P"]
+    with pytest.raises(SystemExit, match=r"--rate-from .B.: no row .* \(rows there: \[.A.\]\)"):
+        protocol.main([*common, "--rate-from", "B"])
+    assert json.loads((results / "lr_protocol_qa_t.json").read_text()) == store
+    assert protocol.main([*common, "--rate-from", "A"]) == 0
+    row = json.loads((results / "lr_protocol_qa_t.json").read_text())["methods"]["P"]
+    assert (row["chosen"], row["rate_from"], row["tuning"], row["grid"]) == (0.002, "A", {}, [])
+    held = row["held_out"]
+    # every seed above the QA target (53.40) at step 20
+    assert (held["median"], held["worst"], held["reached"], held["seeds"]) == (65.0, 63.0, 5, 5)
+    assert [held["per_seed"][str(s)]["step_to_target"] for s in protocol.HELD_OUT] == [20] * 5
+    assert "| P | A's 0.002 (not tuned) | 5 of 5 | 20 / 20 |" in protocol.report("qa", results, None, "_t")
+
+
 def test_seed_sweep_reads_later_seeds_of_every_protocol_row(tmp_path):
     """Held-out seeds from the protocol file, later seeds from run files (a real-rank row's own file name); a seed
     without a finished run is left out; times on the row's own clock."""
