@@ -172,7 +172,7 @@ def report(task: str, results: Path, steptime_work: Path | None = None, tag: str
                 + (" (diverged)" if t["disqualified"] else "")
                 for lr, t in m["tuning"].items()
             )
-            or f"{m['rate_from']}'s {m['chosen']:g} (not tuned)"
+            or f"{m['chosen']:g}: {m['rate_from']}'s rate, not tuned"
         )
         h = m.get("held_out")
         if not h:

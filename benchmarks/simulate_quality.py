@@ -228,6 +228,8 @@ def plot_seed_bands(rows: list[tuple[str, list[dict]]], key: str, target: float,
         line = ax.plot(xs, [statistics.median(y) for y in ys], label=label)[0]
         ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.15)
     ax.axhline(target, color="k", ls="--", lw=0.8, label="target")
+    if key == "perplexity":  # from ~4000 at step 0 to ~100: a linear axis flattens every difference that matters
+        ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel(key)
     ax.set_title(title, fontsize=10)

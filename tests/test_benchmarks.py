@@ -309,7 +309,7 @@ def test_lr_protocol_rate_from_takes_another_rows_rate_and_runs_only_the_held_ou
     # every seed above the QA target (53.40) at step 20
     assert (held["median"], held["worst"], held["reached"], held["seeds"]) == (65.0, 63.0, 5, 5)
     assert [held["per_seed"][str(s)]["step_to_target"] for s in protocol.HELD_OUT] == [20] * 5
-    assert "| P | A's 0.002 (not tuned) | 5 of 5 | 20 / 20 |" in protocol.report("qa", results, None, "_t")
+    assert "| P | 0.002: A's rate, not tuned | 5 of 5 | 20 / 20 |" in protocol.report("qa", results, None, "_t")
 
 
 def test_seed_sweep_reads_later_seeds_of_every_protocol_row(tmp_path):
