@@ -77,10 +77,10 @@ def summarize(evals: list[dict], key: str, higher: bool, target: float) -> dict:
     return {"final": final, "step_to_target": reached, "diverged": diverged}
 
 
-def run_method(task, method, grid, options, work, steps, eval_every, warmup=None, rate_from=None) -> dict:
+def run_method(task, method, grid, options, work, steps, eval_every, warmup=None, rate=None) -> dict:
     """Tune on TUNE, pick by median (diverged seeds disqualify), run HELD_OUT at the pick. Runs what is missing.
 
-    ``rate_from`` (a rate chosen by another row) skips the tuning: the row of a wrapper (PowerSGD, fp16 around
+    A given ``rate`` (another row's choice) skips the tuning: the row of a wrapper (PowerSGD, fp16 around
     AdamW) takes its optimizer's rate, as a user switching on the hook does (the TTA table's ``SHARED_LR``)."""
     key, higher = sq.PRIMARY[task]
     target = sq.tta_target(task)
@@ -97,15 +97,15 @@ def run_method(task, method, grid, options, work, steps, eval_every, warmup=None
         return out
 
     tuning = {}
-    for lr in [] if rate_from is not None else grid:
+    for lr in [] if rate is not None else grid:
         res = runs(lr, TUNE)
         finals = [r["final"] for r in res.values()]
         ok = not any(r["diverged"] for r in res.values())
         tuning[f"{lr:g}"] = {"median": statistics.median(finals), "disqualified": not ok,
                              "per_seed": {s: r["final"] for s, r in res.items()}}  # fmt: skip
     candidates = {lr: t for lr, t in tuning.items() if not t["disqualified"]}
-    if rate_from is not None:
-        best = rate_from
+    if rate is not None:
+        best = rate
     elif not candidates:
         return {"tuning": tuning, "chosen": None}
     else:
@@ -246,8 +246,8 @@ def main(argv=None) -> int:
     store = json.loads(out.read_text()) if out.exists() else {"task": args.task, "target": sq.tta_target(args.task)}
     store.setdefault("methods", {})[label] = {"method": args.method, "options": json.loads(args.options),
                                              "steps": steps, "warmup": sq._warmup(args),
-                                             "grid": [] if rate else args.grid, **res}  # fmt: skip
-    if rate:
+                                             "grid": [] if rate is not None else args.grid, **res}  # fmt: skip
+    if rate is not None:
         store["methods"][label]["rate_from"] = args.rate_from
     store["protocol"] = f"tune on seeds {list(TUNE)} by the median final, evaluate on held-out seeds {list(HELD_OUT)}"
     out.write_text(json.dumps(store, indent=1) + "\n")
