@@ -1,4 +1,4 @@
-"""Every seed no choice saw, for each QA variant, in one table (issue 25): is the spread of seeds gone?
+"""Every seed no choice saw, for each variant of a task, in one table (issue 25): is the spread of seeds gone?
 
 A variant is a row of ``lr_protocol.py``'s report (its rate chosen on seeds 0-2 by the median final). Seeds 3-7 are
 the protocol's held-out seeds (curves read from ``docs/results/lr_protocol_{task}.json``); seeds 8 and up were run
