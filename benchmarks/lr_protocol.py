@@ -97,25 +97,23 @@ def run_method(task, method, grid, options, work, steps, eval_every, warmup=None
         return out
 
     tuning = {}
-    for lr in [] if rate is not None else grid:
+    for lr in grid if rate is None else []:
         res = runs(lr, TUNE)
         finals = [r["final"] for r in res.values()]
         ok = not any(r["diverged"] for r in res.values())
         tuning[f"{lr:g}"] = {"median": statistics.median(finals), "disqualified": not ok,
                              "per_seed": {s: r["final"] for s, r in res.items()}}  # fmt: skip
-    candidates = {lr: t for lr, t in tuning.items() if not t["disqualified"]}
-    if rate is not None:
-        best = rate
-    elif not candidates:
-        return {"tuning": tuning, "chosen": None}
-    else:
-        best = (max if higher else min)(candidates, key=lambda lr: candidates[lr]["median"])
-    held = runs(float(best), HELD_OUT)
+    if rate is None:
+        candidates = {lr: t for lr, t in tuning.items() if not t["disqualified"]}
+        if not candidates:
+            return {"tuning": tuning, "chosen": None}
+        rate = (max if higher else min)(candidates, key=lambda lr: candidates[lr]["median"])
+    held = runs(float(rate), HELD_OUT)
     finals = [r["final"] for r in held.values()]
     steps_to = [r["step_to_target"] for r in held.values()]
     return {
         "tuning": tuning,
-        "chosen": float(best),
+        "chosen": float(rate),
         "held_out": {
             "per_seed": {s: {k: v for k, v in r.items()} for s, r in held.items()},
             "median": statistics.median(finals),
