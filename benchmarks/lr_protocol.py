@@ -52,8 +52,7 @@ REAL_RANKS = tuple(m for m in tta.METHODS if not m.startswith("birder") and m !=
 def _path(args, method, seed) -> Path:
     if method not in REAL_RANKS:
         return sq._path(args, method, seed)
-    tag = "" if sq._warmup(args) == sq.WARMUP else f"-wu{sq._warmup(args):g}"
-    return args.work / f"{args.task}-{method}-ranks4-lr{args.lr:g}{tag}-seed{seed}.jsonl"
+    return args.work / f"{args.task}-{method}-ranks4-lr{args.lr:g}{sq._warmup_tag(args)}-seed{seed}.jsonl"
 
 
 def _run(args, method, seed) -> None:

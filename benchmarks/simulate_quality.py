@@ -144,13 +144,17 @@ def _warmup(args) -> float:
     return getattr(args, "warmup", None) or WARMUP
 
 
+def _warmup_tag(args) -> str:
+    """A run file's warm-up part: empty at the protocol's default."""
+    return "" if _warmup(args) == WARMUP else f"-wu{_warmup(args):g}"
+
+
 def _path(args, workers: str, seed: int) -> Path:
     """One run's file: task, workers, learning rate, Birder options (a tag), seed."""
     tag = "".join(f"-{k}{v}" for k, v in sorted(json.loads(args.options).items())) if workers not in BASELINES else ""
     if _global_batch(args, args.task) != GLOBAL_BATCH[args.task]:
         tag += f"-gb{_global_batch(args, args.task)}"
-    if _warmup(args) != WARMUP:
-        tag += f"-wu{_warmup(args):g}"
+    tag += _warmup_tag(args)
     return args.work / f"{args.task}-{workers}-lr{_lr(args, args.task, workers):g}{tag}-seed{seed}.jsonl"
 
 
