@@ -314,6 +314,44 @@ def _graphs_after_calls_in_both_grad_modes(rank, world):
     return counters["stats"]["unique_graphs"]
 
 
+def _compile_then_fork_a_compiling_child(rank, world, budget_s):
+    import os
+    import tempfile
+    import time
+
+    # an empty compile cache: a kernel found on disk is loaded without the compile thread pool, and the child then
+    # has no pool to inherit (which is why the hang came and went with the order of the suite's tests)
+    with tempfile.TemporaryDirectory(prefix="birder_inductor_") as cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+        torch._dynamo.reset()
+        Q._codec._compiled.clear()
+        Q.set_codec_compile(True)
+        Q.votes_mean_(torch.empty(512), torch.randint(0, 256, (3, 64), dtype=torch.uint8))  # compiles a codec kernel
+        assert Q._codec._compiled and not Q._codec._failed
+        pid = os.fork()
+        if pid == 0:  # the child compiles a kernel of its own (a test's forked rank, a user's worker process)
+            try:
+                torch.compile(lambda x: x * 3 - 1)(torch.randn(100))
+            finally:
+                os._exit(0)
+        deadline = time.monotonic() + budget_s
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return os.waitstatus_to_exitcode(status)
+            time.sleep(0.2)
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        return "hung"
+
+
+def test_a_process_forked_after_the_codec_compiled_can_compile():
+    # inductor keeps its compile thread pool across a fork without the threads: a child that compiled waited forever
+    # in CppCodeCache.load_async (the test suite's forked ranks, 600 s each); quantize resets the pool in the child
+    [code] = run_distributed(_compile_then_fork_a_compiling_child, 1, 300, timeout=600)
+    assert code == 0
+
+
 def test_a_codec_kernel_compiles_once_whatever_the_callers_grad_mode():
     # grad mode is thread-local and guarded by a compiled kernel: a kernel first called in the other mode recompiled,
     # a stall of a second or more at a step set by which thread ran the codec first

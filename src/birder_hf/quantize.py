@@ -47,6 +47,7 @@ This module never imports ``torch.distributed``.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Sequence
@@ -295,6 +296,21 @@ class _Codec:
 
 
 _codec = _Codec()
+
+
+def _forget_compile_threads_after_fork() -> None:
+    # torch's inductor compiles CPU kernels on a thread pool (``AsyncCompile.pool``, made once per process) and resets
+    # only its process pool in a forked child: a child inherits the pool object without its threads, and the first
+    # kernel it compiles waits forever (``CppCodeCache.load_async``). The codec compiles in the caller's process, so
+    # a program that forks afterwards (test runners, multiprocessing ranks) would hang; the child starts a new pool.
+    async_compile = sys.modules.get("torch._inductor.async_compile")
+    pool = getattr(getattr(async_compile, "AsyncCompile", None), "pool", None)
+    if pool is not None and hasattr(pool, "cache_clear"):
+        pool.cache_clear()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which cannot fork
+    os.register_at_fork(after_in_child=_forget_compile_threads_after_fork)
 
 # Below this many elements the eager kernels run (sizes 0 and 1 would make a compiled kernel specialize and
 # recompile). From here up a compiled call is the faster: ~20 us against ~150 us for the ~20 eager ops at 16 to 8192
