@@ -346,6 +346,23 @@ def test_undistributed_launch_is_refused(monkeypatch):
 # ---------------------------------------------------------------------------------------------------- timm
 
 
+def test_timm_factory_drops_the_common_kwargs_birder_does_not_take():
+    # timm's convention (and its own suite's test_optim_factory_common_kwargs): create_optimizer_v2 passes eps, betas
+    # and momentum to every optimizer that declares them, and drops them for one that does not
+    import timm.optim
+
+    from birder_hf.integrations.timm import register_with_timm
+
+    register_with_timm()
+    model = torch.nn.Linear(4, 2)
+    opt = timm.optim.create_optimizer_v2(model, "birder", lr=1e-3, weight_decay=0.0, momentum=0.9, eps=1e-6,
+                                         betas=(0.9, 0.999))  # fmt: skip
+    assert isinstance(opt, Birder)
+    assert opt.param_groups[0]["beta"] == 0.95 and "betas" not in opt.param_groups[0]
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+
+
 def test_timm_registry_builds_birder_with_no_decay_groups():
     import timm
     import timm.optim

@@ -7,7 +7,9 @@
     optimizer = timm.optim.create_optimizer_v2(model, "birder", lr=4e-3, weight_decay=0.1, beta=0.95)
 
 timm then builds its usual parameter groups (no weight decay for biases, norm weights, 1-D parameters and
-``model.no_weight_decay()``) and hands them to :class:`birder_hf.Birder`. Without the registry:
+``model.no_weight_decay()``) and hands them to :class:`birder_hf.Birder`. As for timm's SGD, the factory drops the
+common ``eps=`` and ``betas=`` (``train.py``'s ``--opt-eps``, ``--opt-betas``): they do not reach Birder, whose one EMA
+factor is ``beta=`` (``--opt-kwargs beta=0.95``). Without the registry:
 ``Birder(timm.optim.param_groups_weight_decay(model, 0.1), lr=4e-3)``.
 """
 
@@ -49,10 +51,10 @@ def register_with_timm(name: str = TIMM_NAME) -> None:
             name=name,
             opt_class=Birder,
             description="Birder: 1-bit adaptive optimizer, Hierarchical-1-bit-All-Reduce (Peng et al., NeurIPS 2023)",
-            # timm drops eps= and betas= for an optimizer that declares none; declared, they reach Birder, which
-            # refuses them (Adam's betas are not Birder's beta) instead of training with settings the user did not get
-            has_eps=True,
+            # timm's convention: the factory drops the common eps= and betas= (train.py's --opt-eps, --opt-betas) for
+            # an optimizer that declares neither, as for SGD; Birder has one beta (pass beta=), and no eps
+            has_eps=False,
             has_momentum=False,
-            has_betas=True,
+            has_betas=False,
         )
     )
