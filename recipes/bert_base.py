@@ -36,7 +36,6 @@ from transformers import (
     AutoTokenizer,
     BertConfig,
     BertForQuestionAnswering,
-    HfArgumentParser,
     Trainer,
     TrainingArguments,
     default_data_collator,
@@ -50,6 +49,7 @@ from qa_utils import (  # noqa: E402
     prepare_train_features,
     squad_metrics,
 )
+from recipe_args import parse_recipe_args  # noqa: E402
 
 from birder_hf.collectives import release_process_groups  # noqa: E402
 from birder_hf.integrations.accelerate import check_elastic_restart, check_really_distributed  # noqa: E402
@@ -172,17 +172,9 @@ class OptimizerArguments(BirderArguments):
 
 
 def parse_args(argv=None):
-    parser = HfArgumentParser((ModelArguments, DataArguments, OptimizerArguments, TrainingArguments))
     argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
-        loader = parser.parse_json_file if argv[0].endswith(".json") else parser.parse_yaml_file
-        return loader(os.path.abspath(argv[0]))
-    defaults = dict(RECIPE_DEFAULTS, **({} if torch.cuda.is_available() else {"use_cpu": True}))
-    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
-    if "--save_steps" in given and "--save_strategy" not in given:
-        defaults["save_strategy"] = "steps"  # asking for checkpoints every N steps gets them (the default is "no")
-    parser.set_defaults(**defaults)
-    return parser.parse_args_into_dataclasses(args=argv)
+    types = (ModelArguments, DataArguments, OptimizerArguments, TrainingArguments)
+    return parse_recipe_args(types, argv, RECIPE_DEFAULTS)
 
 
 def build_datasets(data_args, training_args):

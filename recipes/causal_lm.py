@@ -40,7 +40,6 @@ from transformers import (
     AutoTokenizer,
     GPT2Config,
     GPT2LMHeadModel,
-    HfArgumentParser,
     Trainer,
     TrainerCallback,
     TrainingArguments,
@@ -48,6 +47,7 @@ from transformers import (
 )
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from recipe_args import is_config_file, parse_recipe_args  # noqa: E402
 from stdlib_text import read_split, stdlib_corpus, token_blocks, train_bpe_tokenizer  # noqa: E402
 
 from birder_hf.base import local_tensor, unwrap_optimizer  # noqa: E402
@@ -136,14 +136,10 @@ class OptimizerArguments(BirderArguments):
 
 
 def parse_args(argv=None):
-    parser = HfArgumentParser((ModelArguments, DataArguments, OptimizerArguments, TrainingArguments))
     argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
-        loader = parser.parse_json_file if argv[0].endswith(".json") else parser.parse_yaml_file
-        return loader(os.path.abspath(argv[0]))
-    parser.set_defaults(**RECIPE_DEFAULTS, **({} if torch.cuda.is_available() else {"use_cpu": True}))
-    model_args, data_args, opt_args, training_args = parser.parse_args_into_dataclasses(args=argv)
-    if not any(a == "--learning_rate" or a.startswith("--learning_rate=") for a in argv):
+    types = (ModelArguments, DataArguments, OptimizerArguments, TrainingArguments)
+    model_args, data_args, opt_args, training_args = parse_recipe_args(types, argv, RECIPE_DEFAULTS)
+    if not is_config_file(argv) and not any(a == "--learning_rate" or a.startswith("--learning_rate=") for a in argv):
         training_args.learning_rate = DEFAULT_LR[opt_args.optimizer]
     return model_args, data_args, opt_args, training_args
 

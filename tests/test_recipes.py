@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,14 +95,16 @@ def _check_model_card(path, results):
     assert index["results"][0]["task"]["type"] == "question-answering"
 
 
-def test_bert_recipe_save_steps_alone_writes_checkpoints():
+@pytest.mark.parametrize("name", ["bert_base", "causal_lm"])
+def test_recipe_save_steps_alone_writes_checkpoints(name):
+    # causal_lm's --save_steps N used to leave save_strategy "no": an elastic restart (auto) started from step 0
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bert_base", os.path.join(ROOT, "recipes", "bert_base.py"))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "recipes", f"{name}.py"))
     recipe = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bert_base", recipe)  # its dataclasses look their module up
-    spec.loader.exec_module(sys.modules["bert_base"])
-    recipe = sys.modules["bert_base"]
+    sys.modules.setdefault(name, recipe)  # its dataclasses look their module up
+    spec.loader.exec_module(sys.modules[name])
+    recipe = sys.modules[name]
     strategy = lambda *argv: recipe.parse_args(list(argv))[-1].save_strategy.value  # noqa: E731
     assert strategy() == "no"  # the recipe's default: no checkpoints
     assert strategy("--save_steps", "5") == "steps"  # asked for checkpoints: gets them (was: none)

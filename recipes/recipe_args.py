@@ -1,0 +1,35 @@
+"""The Trainer recipes' command line: ``HfArgumentParser`` with the recipe's defaults, shared by ``bert_base.py`` and
+``causal_lm.py``.
+
+- ``python recipe.py config.yaml`` (or ``.json``) reads every argument from the file, as the HF examples do;
+- otherwise the recipe's defaults apply under the command line, and on a machine without CUDA ``--use_cpu``;
+- ``--save_steps N`` without ``--save_strategy`` switches checkpoints on (``"steps"``): the recipes default to
+  ``"no"``, and a ``--save_steps`` that wrote nothing left ``--resume_from_checkpoint auto`` (an elastic restart)
+  starting from step 0.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers import HfArgumentParser
+
+
+def is_config_file(argv: list[str]) -> bool:
+    """Whether ``argv`` is one YAML or JSON file holding every argument."""
+    return len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml"))
+
+
+def parse_recipe_args(dataclass_types: tuple, argv: list[str], defaults: dict) -> tuple:
+    """Parse ``argv`` into ``dataclass_types`` (the last one ``TrainingArguments``) over the recipe's ``defaults``."""
+    parser = HfArgumentParser(dataclass_types)
+    if is_config_file(argv):
+        loader = parser.parse_json_file if argv[0].endswith(".json") else parser.parse_yaml_file
+        return tuple(loader(os.path.abspath(argv[0])))
+    defaults = dict(defaults, **({} if torch.cuda.is_available() else {"use_cpu": True}))
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    if "--save_steps" in given and "--save_strategy" not in given:
+        defaults["save_strategy"] = "steps"  # asking for checkpoints every N steps gets them
+    parser.set_defaults(**defaults)
+    return tuple(parser.parse_args_into_dataclasses(args=argv))
