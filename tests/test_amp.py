@@ -359,3 +359,62 @@ def test_fp16_refusals():
         assert "grad_scaler=" in errors["no_scaler"] and "Nothing was applied" in errors["no_scaler"]
         assert "grad_scaler must be the torch.amp.GradScaler" in errors["not_a_scaler"]
         assert "cannot train with fp16 loss scaling" in errors["onebitadam_hook"]
+
+
+def _scaler_leftovers(rank, world):
+    from birder_hf import attach_ddp_hook
+
+    x, y = _batch(rank, 0)
+    out = {}
+
+    # a step refused inside GradScaler.step: torch deletes grad_scale/found_inf only after a step that returned
+    model = torch.nn.parallel.DistributedDataParallel(Net())
+    opt = Birder(model.parameters(), lr=0.01, seed=0)
+    attach_ddp_hook(model, opt)  # no grad_scaler: the hook encodes at scale 1
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    scaler.scale(model(x, y)["loss"]).backward()
+    try:
+        scaler.step(opt)
+    except RuntimeError as exc:
+        out["refused"] = "at loss scale 1" in str(exc)
+    out["left_behind"] = [a for a in ("grad_scale", "found_inf") if hasattr(opt, a)]
+    opt.zero_grad()
+    model(x, y)["loss"].backward()  # the same loop goes on without the scaler: a plain step works
+    opt.step()
+    out["plain_step_counted"] = all(st["step"] == 1 for st in opt.state.values())
+
+    # a scaler given to the hook but never used: the hook divided the gradients by 2^12, the loss was not scaled
+    model = torch.nn.parallel.DistributedDataParallel(Net())
+    opt = Birder(model.parameters(), lr=0.01, seed=0)
+    state = attach_ddp_hook(model, opt, grad_scaler=torch.amp.GradScaler("cpu", init_scale=SCALE))
+    before = [p.detach().clone() for p in model.parameters()]
+    model(x, y)["loss"].backward()
+    try:
+        opt.step()
+    except RuntimeError as exc:
+        out["unused_scaler"] = str(exc)
+    out["unused_scaler_unchanged"] = all(st["step"] == 0 for st in opt.state.values()) and all(
+        torch.equal(a, p) for a, p in zip(before, model.parameters())
+    )
+
+    # the class for an instance, and a replacement that is no scaler: refused where it is given, not inside backward
+    for name, bad in (("class", torch.amp.GradScaler), ("replaced", "fp16")):
+        try:
+            if name == "class":
+                model = torch.nn.parallel.DistributedDataParallel(Net())
+                attach_ddp_hook(model, Birder(model.parameters(), lr=0.01, seed=0), grad_scaler=bad)
+            else:
+                state.grad_scaler = bad
+        except TypeError as exc:
+            out[name] = str(exc)
+    return out
+
+
+def test_scaler_leftovers_and_misuse_are_refused_where_they_happen():
+    for out in run_distributed(_scaler_leftovers, 2, local_world_size=2):
+        assert out["refused"] and out["left_behind"] == [] and out["plain_step_counted"]
+        assert "not called by that GradScaler" in out["unused_scaler"]
+        assert "scaler.step(optimizer)" in out["unused_scaler"]
+        assert "Nothing was applied" in out["unused_scaler"] and out["unused_scaler_unchanged"]
+        assert "is a class" in out["class"] and "GradScaler(...)" in out["class"]
+        assert "grad_scaler must be the torch.amp.GradScaler" in out["replaced"]

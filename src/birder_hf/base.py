@@ -152,6 +152,9 @@ class Communicator:
     def check_loss_scaled_step(self) -> None:
         """Called by ``step()`` when a ``GradScaler`` handed over loss-scaled gradients: raise if they are unusable."""
 
+    def check_plain_step(self) -> None:
+        """Called by ``step()`` when no ``GradScaler`` called it: raise if the step needed one."""
+
 
 _warned_without_communicator: set[str] = set()
 
@@ -268,9 +271,19 @@ class OneBitOptimizer(Optimizer):
             self._warn_if_distributed_without_communicator()
             self.step_was_skipped = self._step_alone()
         else:
-            if hasattr(self, "found_inf"):  # GradScaler.step left the loss-scaled .grad to us (the opt-out above)
-                self.communicator.check_loss_scaled_step()
-            staged = self.communicator.finish_step()
+            scaled = hasattr(self, "found_inf")  # GradScaler.step left the loss-scaled .grad to us (the opt-out above)
+            try:
+                if scaled:
+                    self.communicator.check_loss_scaled_step()
+                else:
+                    self.communicator.check_plain_step()
+                staged = self.communicator.finish_step()
+            except BaseException:
+                # GradScaler.step deletes these only after a step() that returned: left behind, they would make every
+                # later plain step() look loss-scaled, and multiply into the next scaler step's grad_scale
+                for name in ("grad_scale", "found_inf"):
+                    self.__dict__.pop(name, None)
+                raise
             self.step_was_skipped = staged is None
             self._step_communicated(staged)
         return loss

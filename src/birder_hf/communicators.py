@@ -185,6 +185,9 @@ def grad_scaler_scale(grad_scaler) -> float:
 
 
 def check_grad_scaler(grad_scaler) -> None:
+    if isinstance(grad_scaler, type):  # the class has every method the checks below look for
+        what = f"grad_scaler={grad_scaler.__name__} is a class"
+        raise TypeError(explain(what, "pass the GradScaler instance that scales the loss (scaler = GradScaler(...))"))
     if grad_scaler is not None and not all(hasattr(grad_scaler, a) for a in ("get_scale", "is_enabled", "step")):
         raise TypeError(
             f"grad_scaler must be the torch.amp.GradScaler that scales the loss, got {type(grad_scaler).__name__}."
@@ -240,7 +243,7 @@ class HookState(Communicator):
         "in_flight",  # exchanges the step waits for before its agreement and its end (the FSDP hook's)
         "_skipping",  # this step's agreed verdict was non-finite, and the step is dropped (a GradScaler skips it)
         # fp16 loss scaling
-        "grad_scaler",
+        "_grad_scaler",
         "_scale",  # the loss scale of this step's backward, read at its first bucket
         # statistics
         "stats",
@@ -283,7 +286,7 @@ class HookState(Communicator):
             what=type(self).__name__,
             fix=f"build every rank's hook state and {type(optimizer).__name__} with the same parameters and settings",
         )
-        self.grad_scaler, self._scale, self._skipping = grad_scaler, None, False
+        self._grad_scaler, self._scale, self._skipping = grad_scaler, None, False
         self.topology = topology if topology is not None else Topology.flat()
         # the ranks that agree a step is finite: the topology's (DDP), or every rank of the mesh (FSDP, whose
         # topology spans only this rank's replicas); None: the topology's, read through agree_group so close() frees it
@@ -388,6 +391,18 @@ class HookState(Communicator):
         if self.check_finite and self._flags:
             self._flags.pop()
 
+    @property
+    def grad_scaler(self):
+        """The ``GradScaler`` whose scale the hook divides out of every gradient (``None``: no loss scaling)."""
+        return self._grad_scaler
+
+    @grad_scaler.setter
+    def grad_scaler(self, grad_scaler) -> None:
+        check_grad_scaler(grad_scaler)  # here, not as an AttributeError inside the next backward
+        if grad_scaler is not None and not self.loss_scale_invariant:
+            raise ValueError(explain(f"{self.hook_name} cannot train with fp16 loss scaling", "use bf16"))
+        self._grad_scaler = grad_scaler
+
     def loss_scale(self) -> float:
         """The loss scale of this step's backward (``grad_scaler``'s, read once per backward; 1 without one): the hook
         encodes ``g / S``, so ``m`` and ``b`` stay in the gradient's unit whatever the scale does (S is a power of two:
@@ -476,6 +491,19 @@ class HookState(Communicator):
         if scale is None:
             what = f"GradScaler.unscale_ (clip_grad_norm_ calls it) ran on {self.hook_name}'s direction in .grad"
             fix = "Do not unscale or clip with the 1-bit hook (a step is bounded by lr already)"
+            raise RuntimeError(explain(what, fix))
+
+    def check_plain_step(self) -> None:
+        """Called by ``step()`` when no ``GradScaler`` called it: refuse a step whose gradients the hook divided by a
+        loss scale, since nothing says the loss was scaled (``m`` and ``b`` would be stored at ``1/S`` of their
+        values)."""
+        if self._pending and self._scale not in (None, 1.0):
+            scale = self._scale
+            self._close_step()  # drop the step: the next backward starts clean
+            what = f"{self.hook_name} divided this step's gradients by its GradScaler's scale {scale:g}, but step() "
+            what += "was not called by that GradScaler"
+            fix = "scale the loss with scaler.scale(loss) and step with scaler.step(optimizer), or give the hook no "
+            fix += "grad_scaler (fp32, bf16). Nothing was applied"
             raise RuntimeError(explain(what, fix))
 
     def _close_step(self) -> dict[torch.Tensor, Staged]:
