@@ -46,6 +46,16 @@ def _run(rank, world, project, mode):
     opt = Birder(model.parameters(), lr=0.01, beta=0.9, weight_decay=0.1, seed=3)
     loader = torch.utils.data.DataLoader(Regression(), batch_size=8, shuffle=False)
     model, opt, loader = acc.prepare(model, opt, loader)
+    if mode.startswith("load_first"):  # the load before the hook: each rank would get rank 0's m and b
+        try:
+            if mode == "load_first":
+                acc.load_state(os.path.join(project, "checkpoints", "checkpoint_1"))
+            else:
+                load_resumable_state(acc)
+            register_birder_hook(acc, model, opt)
+        except RuntimeError as exc:
+            return {"error": str(exc), "own_state": bool(opt.optimizer.state)}
+        return {"error": None}
     register_birder_hook(acc, model, opt)
     batches = list(loader)
     records = _logged("birder_hf.checkpoint")
@@ -206,3 +216,14 @@ def test_a_rank_that_fails_to_save_fails_every_rank_without_a_marker_and_nothing
         ("INFO", f"No complete checkpoint in {other}/absent: starting fresh."),
     ]
     assert r1["log"] == []  # rank 0 looks, every rank gets its answer
+
+
+def test_a_load_before_the_hook_is_registered_is_refused(tmp_path):
+    # accelerate's load_state (and load_resumable_state) before register_birder_hook loaded rank 0's optimizer state
+    # into every rank, and training went on silently with one rank's m and b everywhere
+    project = str(tmp_path / "project")
+    run_distributed(_run, 2, project, "straight", env=_launcher_env(), timeout=300, local_world_size=2)
+    for mode in ("load_first", "load_first_auto"):
+        for out in run_distributed(_run, 2, project, mode, env=_launcher_env(), timeout=300, local_world_size=2):
+            assert out["error"] is not None and "each rank holds the same m and b" in out["error"], mode
+            assert "register_birder_hook right after prepare" in out["error"] and out["own_state"]

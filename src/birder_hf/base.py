@@ -193,6 +193,7 @@ class OneBitOptimizer(Optimizer):
         self.step_was_skipped = False  # whether the last step() skipped (a rank had a non-finite gradient)
         self._communicator: Communicator | None = None
         self._staged_state: dict | None = None
+        self._shared_state = False  # holds a state loaded as it is on every rank (not this rank's own), see below
         self._index_cache: dict[torch.Tensor, tuple[int, dict]] | None = None
         self._check_settings(defaults, "")
         super().__init__(params, defaults)
@@ -202,6 +203,7 @@ class OneBitOptimizer(Optimizer):
         self.__dict__.setdefault("step_was_skipped", False)
         self.__dict__.setdefault("_communicator", None)
         self.__dict__.setdefault("_staged_state", None)
+        self.__dict__.setdefault("_shared_state", False)
         self.__dict__.setdefault("_index_cache", None)
         for group in self.param_groups:  # an older state dict may lack a newer setting (torch.optim does the same)
             for key in self.optional_settings:
@@ -225,6 +227,7 @@ class OneBitOptimizer(Optimizer):
         return self._communicator
 
     def attach_communicator(self, communicator: Communicator) -> None:
+        self.check_own_state()
         if self._communicator is not None:
             what = f"This {type(self).__name__} already has a communicator ({type(self._communicator).__name__})"
             raise ValueError(
@@ -271,6 +274,7 @@ class OneBitOptimizer(Optimizer):
             self._warn_if_distributed_without_communicator()
             self.step_was_skipped = self._step_alone()
         else:
+            self.check_own_state()  # a state loaded on every rank after the hook was registered
             scaled = hasattr(self, "found_inf")  # GradScaler.step left the loss-scaled .grad to us (the opt-out above)
             try:
                 if scaled:
@@ -378,10 +382,32 @@ class OneBitOptimizer(Optimizer):
         """Make the next :meth:`load_state_dict` load ``state_dict`` (this rank's own) instead of its argument."""
         self._staged_state = state_dict
 
+    def load_own_state_dict(self, state_dict: dict) -> None:
+        """Load ``state_dict``, this rank's own state (``birder_hf.checkpoint.read_own_rank_state``)."""
+        self.stage_rank_state(state_dict)
+        self.load_state_dict(state_dict)
+
+    def check_own_state(self) -> None:
+        """Refuse to communicate with a state loaded as it is on every rank of a distributed job.
+
+        ``m`` and ``b`` are per rank, and frameworks save the optimizer state of rank 0 only: a plain
+        ``load_state_dict`` in a job of several ranks (``accelerator.load_state`` before :func:`register_birder_hook`
+        registered its per-rank load, a hand-made ``torch.load``) gives every rank rank 0's. Loading this rank's own
+        state afterwards (:meth:`load_own_state_dict`, the integrations' resume paths) lifts the refusal."""
+        if self._shared_state:
+            name = type(self).__name__
+            what = f"This {name}'s state was loaded with load_state_dict on every rank, so each rank holds the same m "
+            what += "and b (frameworks save rank 0's only), not its own"
+            fix = "register the 1-bit hook before loading (accelerate: register_birder_hook right after prepare, then "
+            fix += "load_state / load_resumable_state), or load each rank's own with birder_hf.checkpoint."
+            fix += "load_rank_state"
+            raise RuntimeError(explain(what, fix))
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Load ``state_dict`` after checking all of it: its param groups' settings, and every parameter's state
         (keys, shapes, dtypes, finite values, the optimizer's invariants). If anything is wrong, nothing is loaded."""
-        if self._staged_state is not None:
+        own = self._staged_state is not None
+        if own:
             state_dict, self._staged_state = self._staged_state, None
         self.check_state_dict(state_dict)
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
@@ -400,6 +426,7 @@ class OneBitOptimizer(Optimizer):
             if isinstance(key, torch.Tensor) and isinstance(st, dict) and not torch.is_tensor(st.get("step", st)):
                 st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
         self._index_cache = None
+        self._shared_state = not own and bool(self.state) and _world_size() > 1
 
     # ------------------------------------------------------------------------------------- validation
     def _check_settings(self, settings: dict, where: str) -> None:
@@ -549,6 +576,12 @@ class OneBitOptimizer(Optimizer):
                 what += f"for {_describe_shard(record)}, this rank holds {_describe_shard(shard_record(p))}"
                 fix = "resume on the same mesh shape, wrapping and rank order. Nothing was loaded"
                 raise ValueError(explain(what, fix))
+
+
+def _world_size() -> int:
+    import torch.distributed as dist  # only to look: communication lives in the communicators
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _describe_shard(record) -> str:

@@ -249,7 +249,7 @@ def load_rank_state(optimizer, checkpoint_dir: str, *, rank: int | None = None, 
     Collective when ``torch.distributed`` runs ``world_size`` ranks: if one rank's file is missing or corrupt, every
     rank raises (:func:`read_own_rank_state`)."""
     opt = _one_bit(optimizer, "load_rank_state")
-    opt.load_state_dict(read_own_rank_state(opt, checkpoint_dir, rank=rank, world_size=world_size))
+    opt.load_own_state_dict(read_own_rank_state(opt, checkpoint_dir, rank=rank, world_size=world_size))
 
 
 def _marker_path(checkpoint_dir: str) -> str:

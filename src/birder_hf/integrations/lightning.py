@@ -361,7 +361,7 @@ class BirderDDPStrategy(DDPStrategy):
             what = f"{path} has no per-rank Birder state ({folder}/): not written by BirderDDPStrategy or not copied"
             fix = f"resume from a checkpoint BirderDDPStrategy saved ({exc})"
             raise FileNotFoundError(explain(what, fix)) from exc
-        opt.load_state_dict(state)
+        opt.load_own_state_dict(state)
 
     def teardown(self) -> None:
         self._resume_checkpoint = None

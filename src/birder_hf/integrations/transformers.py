@@ -197,7 +197,7 @@ class BirderCallback(TrainerCallback):
             # the Trainer just loaded rank 0's optimizer.pt into every rank; take this rank's own state (every rank
             # together: one rank's missing or corrupt file stops them all at once)
             folder, rank, world = trainer._birder_resume_dir, args.process_index, args.world_size
-            opt.load_state_dict(read_own_rank_state(opt, folder, rank=rank, world_size=world))
+            opt.load_own_state_dict(read_own_rank_state(opt, folder, rank=rank, world_size=world))
         check_really_distributed(args.world_size)
         hooked = trainer.birder_hook_state
         if args.world_size == 1 or (hooked is not None and hooked.optimizer is opt):
