@@ -1077,3 +1077,50 @@ def test_explain_says_what_then_the_fix():
     from birder_hf.base import explain
 
     assert explain("lr=nan is not finite", "pass a float >= 0") == "lr=nan is not finite; pass a float >= 0."
+
+
+def _clipped_direction(rank, world):
+    from accelerate import Accelerator
+
+    from birder_hf import attach_ddp_hook
+    from birder_hf.integrations.accelerate import register_birder_hook
+
+    out = {}
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))
+    for name in ("accelerate", "ddp", "ddp-no-op-clip"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        opt = Birder(model.parameters(), lr=0.1, seed=0)
+        if name == "accelerate":  # the accelerate idiom, in fp32: no GradScaler involved
+            acc = Accelerator(cpu=True)
+            model, opt = acc.prepare(model, opt)
+            register_birder_hook(acc, model, opt)
+            acc.backward(model(x).square().mean())
+            before = [p.detach().clone() for p in model.parameters()]
+            acc.clip_grad_norm_(model.parameters(), 1.0)
+        else:
+            model = torch.nn.parallel.DistributedDataParallel(model)
+            attach_ddp_hook(model, opt)
+            model(x).square().mean().backward()
+            before = [p.detach().clone() for p in model.parameters()]
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9 if name == "ddp-no-op-clip" else 1.0)
+        try:
+            opt.step()
+            out[name] = None
+        except RuntimeError as exc:
+            out[name] = str(exc)
+        inner = getattr(opt, "optimizer", opt)
+        out[name + "-unchanged"] = all(st["step"] == 0 for st in inner.state.values()) and all(
+            torch.equal(a, p) for a, p in zip(before, model.parameters())
+        )
+    return out
+
+
+def test_clipping_the_direction_in_grad_is_refused_with_nothing_applied():
+    # issue 41: accelerator.clip_grad_norm_ in an fp32 loop clipped the 1-bit direction d (steps shrank to 0.04 lr)
+    # without a word; the fp16 refusal (GradScaler.unscale_) did not cover it. A clip that changes nothing passes.
+    for out in run_distributed(_clipped_direction, 2, local_world_size=2, timeout=120):
+        for name in ("accelerate", "ddp"):
+            assert "was changed before step()" in out[name] and "do not clip" in out[name], out[name]
+            assert "Nothing was applied" in out[name] and out[name + "-unchanged"]
+        assert out["ddp-no-op-clip"] is None and not out["ddp-no-op-clip-unchanged"]

@@ -48,12 +48,15 @@ class BirderStaging:
     FSDP hook (``birder_hf.fsdp.FSDPHookState``, a unit's shard at a time): the buffers each parameter's next ``m``,
     ``b`` are staged in, the encode-and-stage loop, the 1-bit exchange and the commit."""
 
-    __slots__ = ("state", "_scratch", "_directions")
+    __slots__ = ("state", "_scratch", "_directions", "_samples")
 
     def __init__(self, state: HookState):
         self.state = state
         self._scratch: dict[torch.Tensor, StateBuffers] = {}  # param -> the buffers its next step writes into
         self._directions: dict[int, torch.Tensor] = {}  # bucket or unit index -> its u (then d) buffer
+        # the DDP hook's record of d as it handed it to DDP: param -> (its bucket's samples, its index in them), the
+        # first element of its d (a later backward's replaces a skipped one's)
+        self._samples: dict[torch.Tensor, tuple[torch.Tensor, int]] = {}
 
     def buffer_bytes(self) -> int:
         """Bytes of the buffers kept between steps: the staged ``m``, ``b`` (and max ``b``) of every parameter, and the
@@ -114,11 +117,45 @@ class BirderStaging:
             u, topology=h.topology, method=h.comm_settings, keys=keys, async_op=True, stats=h.step_stats, out=out
         )
 
+    def sample_directions(self, fut: torch.futures.Future, items: list) -> torch.futures.Future:
+        """``fut`` (a bucket's ``d``, in the bucket's layout), recording the first element of each parameter's ``d``
+        when it is ready, before DDP copies it into ``.grad``: :meth:`commit` checks ``.grad`` still holds it."""
+        kept = [(b.param, b.offset) for b in items if b.param.numel() > 0]
+        if not kept:
+            return fut
+        params = [p for p, _ in kept]
+
+        def sample(f):
+            d = f.value()
+            values = d[torch.tensor([o for _, o in kept], device=d.device)]
+            self._samples.update((p, (values, i)) for i, p in enumerate(params))
+            return d
+
+        return then(fut, sample)
+
+    def _check_directions(self, pending: dict[torch.Tensor, Staged]) -> None:
+        # d in .grad must be what the hook produced: anything that rewrote .grad since (clip_grad_norm_ in an fp32
+        # loop, accelerator.clip_grad_norm_, an unscale, a hand edit) would scale a step that lr alone bounds
+        samples, self._samples = self._samples, {}
+        recorded, now = [], []
+        for p, (values, i) in samples.items():
+            if p in pending and pending[p].direction is None and p.grad is not None:
+                recorded.append(values[i])
+                now.append(p.grad[(0,) * p.grad.dim()])
+        if recorded and not torch.equal(torch.stack(recorded), torch.stack(now).to(recorded[0].dtype)):
+            what = f"The direction d that {self.state.hook_name} wrote into .grad was changed before step() (a "
+            what += "clip_grad_norm_, an unscale_ or an edit of .grad after backward)"
+            fix = "do not clip or rewrite .grad with the 1-bit hook (every step is bounded by lr already). Nothing "
+            fix += "was applied"
+            raise RuntimeError(explain(what, fix))
+
     def commit(self, pending: dict[torch.Tensor, Staged] | None) -> list[Update] | None:
         """Commit the staged ``m``, ``b`` (``pending``: the hook state's ``take_staged()``) and return what ``step()``
         applies: each parameter's staged direction, else ``d`` in ``.grad``. ``None``: every rank skips the step."""
         if pending is None:
+            self._samples = {}
             return None
+        self._check_directions(pending)
         opt, updates = self.state.optimizer, []
         for group in opt.param_groups:
             # not those no rank computed a gradient for (a gradient of None, or found unused by take_staged)
@@ -217,9 +254,10 @@ def _start_bucket(state: BirderHookState, index: int, buffer: torch.Tensor, item
         offset += p.numel()
     if buffer.dtype != u_dtype or strided:
         fut = state.staging.exchange(u_flat, keys)
-        return then(fut, lambda f: _to_bucket_layout(f.value().to(buffer.dtype), strided))
-    # d straight into the bucket (its gradients are encoded already): DDP then has nothing to copy
-    return state.staging.exchange(u_flat, keys, out=buffer)
+        fut = then(fut, lambda f: _to_bucket_layout(f.value().to(buffer.dtype), strided))
+    else:  # d straight into the bucket (its gradients are encoded already): DDP then has nothing to copy
+        fut = state.staging.exchange(u_flat, keys, out=buffer)
+    return state.staging.sample_directions(fut, items)
 
 
 def _to_bucket_layout(d: torch.Tensor, strided: list) -> torch.Tensor:
