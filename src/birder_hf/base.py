@@ -410,6 +410,7 @@ class OneBitOptimizer(Optimizer):
         if own:
             state_dict, self._staged_state = self._staged_state, None
         self.check_state_dict(state_dict)
+        round_trip = not own and self._holds(state_dict)
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         keep = {}
@@ -426,7 +427,24 @@ class OneBitOptimizer(Optimizer):
             if isinstance(key, torch.Tensor) and isinstance(st, dict) and not torch.is_tensor(st.get("step", st)):
                 st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
         self._index_cache = None
-        self._shared_state = not own and bool(self.state) and _world_size() > 1
+        if not round_trip:  # (a round trip keeps what the state was: accelerate's prepare reloads it on its device)
+            self._shared_state = not own and bool(self.state) and _world_size() > 1
+
+    def _holds(self, state_dict: dict) -> bool:
+        """Whether ``state_dict`` is this optimizer's own state as it is now (a round trip through ``state_dict()``)."""
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        saved = state_dict["state"]
+        for saved_id, p in zip(saved_ids, params):
+            mine, theirs = self.state.get(p, {}), saved.get(saved_id, {})
+            if mine.keys() != theirs.keys():
+                return False
+            for key, value in theirs.items():
+                if torch.is_tensor(value) and not (
+                    torch.is_tensor(mine[key]) and torch.equal(value.to(mine[key].device), mine[key])
+                ):
+                    return False
+        return True
 
     # ------------------------------------------------------------------------------------- validation
     def _check_settings(self, settings: dict, where: str) -> None:
