@@ -1124,3 +1124,32 @@ def test_clipping_the_direction_in_grad_is_refused_with_nothing_applied():
             assert "was changed before step()" in out[name] and "do not clip" in out[name], out[name]
             assert "Nothing was applied" in out[name] and out[name + "-unchanged"]
         assert out["ddp-no-op-clip"] is None and not out["ddp-no-op-clip-unchanged"]
+
+
+def _with_and_without_zero_grad(rank, world):
+    from birder_hf import attach_ddp_hook
+
+    states = {}
+    for zero in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 3))
+        opt = Birder(model.parameters(), lr=0.1, seed=0)
+        attach_ddp_hook(model, opt)
+        for step in range(3):
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+            model(x).square().mean().backward()
+            opt.step()
+            if zero:
+                opt.zero_grad()
+        states[zero] = [(opt.state[p]["exp_avg"].clone(), p.detach().clone()) for p in model.parameters()]
+        grads_after_step = [p.grad for p in model.parameters()]
+    return states, grads_after_step
+
+
+def test_a_forgotten_zero_grad_does_not_add_the_direction_into_the_next_gradient():
+    # issue 41: .grad kept d after step(); without zero_grad() the next backward accumulated onto it, and the hook
+    # encoded g + d (mean |m| 5x too large). step() now hands d over and leaves .grad None, as set_to_none does
+    for states, grads_after_step in run_distributed(_with_and_without_zero_grad, 2, timeout=60):
+        assert grads_after_step == [None, None]
+        for (m, x), (m_forgot, x_forgot) in zip(states[True], states[False]):
+            assert torch.equal(m, m_forgot) and torch.equal(x, x_forgot)

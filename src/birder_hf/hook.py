@@ -151,7 +151,8 @@ class BirderStaging:
 
     def commit(self, pending: dict[torch.Tensor, Staged] | None) -> list[Update] | None:
         """Commit the staged ``m``, ``b`` (``pending``: the hook state's ``take_staged()``) and return what ``step()``
-        applies: each parameter's staged direction, else ``d`` in ``.grad``. ``None``: every rank skips the step."""
+        applies: each parameter's staged direction, else ``d`` in ``.grad`` (then set to ``None``: it is no gradient).
+        ``None``: every rank skips the step."""
         if pending is None:
             self._samples = {}
             return None
@@ -165,6 +166,11 @@ class BirderStaging:
             if params:
                 ds = [p.grad if pending[p].direction is None else pending[p].direction for p in params]
                 updates.append(Update(group, params, ds))
+                for p in params:
+                    if pending[p].direction is None:
+                        # d is handed over: .grad holds no gradient, and a loop that forgot zero_grad() would add it
+                        # into the next backward's gradients (m off by d / (1 - beta)); torch's set_to_none
+                        p.grad = None
         return updates
 
 
