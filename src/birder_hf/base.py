@@ -431,7 +431,7 @@ class OneBitOptimizer(Optimizer):
             self._shared_state = not own and bool(self.state) and _world_size() > 1
 
     def _holds(self, state_dict: dict) -> bool:
-        """Whether ``state_dict`` is this optimizer's own state as it is now (a round trip through ``state_dict()``)."""
+        """Whether ``state_dict`` is this optimizer's state as it is now (a round trip through ``state_dict()``)."""
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         saved = state_dict["state"]
