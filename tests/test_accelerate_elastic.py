@@ -227,3 +227,19 @@ def test_a_load_before_the_hook_is_registered_is_refused(tmp_path):
         for out in run_distributed(_run, 2, project, mode, env=_launcher_env(), timeout=300, local_world_size=2):
             assert out["error"] is not None and "each rank holds the same m and b" in out["error"], mode
             assert "register_birder_hook right after prepare" in out["error"] and out["own_state"]
+
+
+def test_resume_discovery_reads_checkpoint_names_strictly(tmp_path):
+    # issue 41: a name merely ending in digits was a checkpoint (logs20240101 became the next save number
+    # checkpoint_20240102), and step_100 of one naming scheme was loaded over a newer checkpoint_1 of another
+    from accelerate import Accelerator
+
+    from birder_hf.integrations.accelerate import load_resumable_state
+
+    for name in ("logs20240101", "step_0100", "checkpoint_1"):
+        os.makedirs(tmp_path / name)
+    acc = Accelerator(cpu=True)
+    assert load_resumable_state(acc, tmp_path) is None  # checkpoint_1 has no marker; the others are not checkpoints
+    os.makedirs(tmp_path / "step_100")
+    with pytest.raises(ValueError, match="named in 2 ways .checkpoint_1, step_100.*keep one naming scheme"):
+        load_resumable_state(acc, tmp_path)

@@ -274,3 +274,13 @@ def test_old_checkpoints_are_rotated_away_only_after_the_new_one_is_marked_compl
     assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-3"]  # checkpoint-1 rotated away after 2's marker
     assert checkpoint_problem(os.path.join(out, "checkpoint-2")) is None
     assert find_resumable_checkpoint(out) == os.path.join(out, "checkpoint-2")
+
+
+def test_checkpoint_names_are_read_strictly(tmp_path):
+    # issue 41: "\d+" read checkpoint-0012 and checkpoint-١٢ (Arabic-Indic digits) as step 12, newer than checkpoint-5;
+    # the Trainer writes ASCII digits without a leading zero, and only such names are its checkpoints now
+    out = str(tmp_path)
+    five = _checkpoint(os.path.join(out, "checkpoint-5"))
+    for name in ("checkpoint-0012", "checkpoint-\u0661\u0662", "checkpoint-+12", "checkpoint-12 "):
+        _checkpoint(os.path.join(out, name))
+    assert find_resumable_checkpoint(out) == five

@@ -317,3 +317,20 @@ def test_find_resumable_lightning_checkpoint_in_one_process(tmp_path, caplog):
         assert str(warned[-1].message).startswith(f"Not resuming from {older} (the .ckpt is missing")
         assert f"No complete checkpoint in {tmp_path}: starting fresh." in caplog.messages
         assert find_resumable_lightning_checkpoint(tmp_path / "absent") is None
+
+
+def test_find_resumable_lightning_checkpoint_orders_by_the_recorded_step(tmp_path):
+    # issue 41: the newest by file time was chosen, so after a cp -r or a touch a fit resumed from an older step; the
+    # completion marker now records the checkpoint's global_step, and the highest step wins
+    model = torch.nn.Linear(3, 1)
+    model(torch.randn(4, 3)).sum().backward()
+    opt = Birder(model.parameters(), lr=0.1, seed=1)
+    opt.step()
+    strategy = BirderDDPStrategy(parallel_devices=[torch.device("cpu")])
+    strategy.optimizers = [opt]
+    later, earlier = tmp_path / "epoch=1-step=4.ckpt", tmp_path / "epoch=0-step=2.ckpt"
+    for step, path in ((4, later), (2, earlier)):
+        strategy.save_checkpoint({"optimizer_states": [opt.state_dict()], "global_step": step}, path)
+    for part in (earlier, birder_state_dir(earlier), os.path.join(birder_state_dir(earlier), MARKER)):
+        os.utime(part, ns=(2 * 10**18,) * 2)  # touched (or copied) after the later step was saved
+    assert find_resumable_lightning_checkpoint(tmp_path) == str(later)

@@ -64,7 +64,9 @@ SUBDIR = "birder"
 _FORMAT = 1
 _NAME = re.compile(r"^rank_(\d{5})-of-(\d{5})\.pt$")
 MARKER = "birder_complete.json"  # in the checkpoint folder, beside the framework's files; written last
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")  # the Trainer's folder names (accelerate's and Lightning's differ)
+# the Trainer's folder names (accelerate's and Lightning's differ): ASCII digits without a leading zero, as the Trainer
+# writes them (\d would read checkpoint-0012, or checkpoint-١٢ in Arabic-Indic digits, as step 12)
+_CHECKPOINT = re.compile(r"^checkpoint-(0|[1-9][0-9]*)$")
 
 
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -289,6 +291,7 @@ def mark_checkpoint_complete(
     write: bool | None = None,
     failed: str | BaseException | None = None,
     extra_files=(),
+    step: int | None = None,
 ) -> str | None:
     """Mark ``checkpoint_dir`` complete: call it on every rank once that rank has written all its files there.
 
@@ -300,7 +303,8 @@ def mark_checkpoint_complete(
     ``failed``: why this rank could not write its files, a message or the exception itself (it still calls this, so
     that the others do not wait for it); every other rank then raises, naming it, and this rank raises its exception
     (a message: the same ``RuntimeError``). ``extra_files``: files of the checkpoint outside the folder that the
-    writers list too (Lightning's ``.ckpt`` beside its ``.ckpt.birder`` folder).
+    writers list too (Lightning's ``.ckpt`` beside its ``.ckpt.birder`` folder). ``step``: the training step the
+    checkpoint holds, recorded for resume discovery where names carry no step (Lightning's ``last.ckpt``).
     """
     rank, world_size = _rank_and_world(rank, world_size)
     own = rank_state_path(checkpoint_dir, rank, world_size)
@@ -320,6 +324,8 @@ def mark_checkpoint_complete(
         return None
     path = _marker_path(checkpoint_dir)
     payload = {"format": _FORMAT, "world_size": world_size, "files": _checkpoint_files(checkpoint_dir, extra_files)}
+    if step is not None:
+        payload["step"] = int(step)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=os.path.dirname(path))
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -356,6 +362,16 @@ def checkpoint_problem(checkpoint_dir: str) -> str | None:
     return None
 
 
+def checkpoint_step(checkpoint_dir: str) -> int | None:
+    """The training step recorded in ``checkpoint_dir``'s completion marker (``None``: no marker, or none recorded)."""
+    try:
+        with open(_marker_path(checkpoint_dir), encoding="utf-8") as f:
+            step = json.load(f).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
 def _newest_complete(where: str, candidates) -> str | None:
     # candidates: checkpoint folders, newest first; the first complete one wins, newer ones are named
     for path in candidates:
@@ -369,7 +385,7 @@ def _newest_complete(where: str, candidates) -> str | None:
 
 
 def numbered_checkpoints(output_dir: str, pattern: str | re.Pattern | None = None) -> list[tuple[int, str]]:
-    """The folders of ``output_dir`` whose names ``pattern`` matches (its first group: the checkpoint's number), as
+    """The folders of ``output_dir`` whose names ``pattern`` matches (its last group: the checkpoint's number), as
     ``(number, path)``, newest (highest number) first. Default: the Trainer's ``checkpoint-N``."""
     pattern = _CHECKPOINT if pattern is None else re.compile(pattern)
     found = []
@@ -377,7 +393,7 @@ def numbered_checkpoints(output_dir: str, pattern: str | re.Pattern | None = Non
         for name in os.listdir(output_dir):
             m = pattern.match(name)
             if m and os.path.isdir(os.path.join(output_dir, name)):
-                found.append((int(m.group(1)), os.path.join(output_dir, name)))
+                found.append((int(m.group(pattern.groups)), os.path.join(output_dir, name)))
     return sorted(found, reverse=True)
 
 
@@ -399,7 +415,7 @@ def find_resumable_checkpoint(output_dir: str, *, pattern: str | re.Pattern | No
 
     What ``--resume_from_checkpoint auto`` resolves to. Newer incomplete folders are named in a warning and left
     alone. Collective when ``torch.distributed`` is initialized: rank 0's answer is every rank's (one broadcast).
-    ``pattern``: which folders are checkpoints, its first group their number (:func:`numbered_checkpoints`).
+    ``pattern``: which folders are checkpoints, its last group their number (:func:`numbered_checkpoints`).
     """
     return on_rank_zero(
         lambda: _newest_complete(output_dir, [path for _, path in numbered_checkpoints(output_dir, pattern)])

@@ -57,9 +57,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# accelerate's automatic naming (checkpoint_N) and the usual hand-made names (checkpoint-N, step_N, epoch_N): a folder
-# whose name ends in its number; accelerate's own load_state() orders its checkpoints by that number too
-_NUMBERED = re.compile(r"^(?:.*\D)?(\d+)$")
+# accelerate's automatic naming (checkpoint_N) and the usual hand-made names (checkpoint-N, step_N, epoch_N): letters,
+# "_" or "-", then the number in ASCII digits without a leading zero (accelerate's own load_state() orders its
+# checkpoints by that number too). Not a checkpoint: logs20240101, step_0100, checkpoint-١٢
+_NUMBERED = re.compile(r"^([A-Za-z]+[_-])(0|[1-9][0-9]*)$")
 
 
 def check_really_distributed(num_processes: int) -> None:
@@ -190,7 +191,7 @@ def load_resumable_state(accelerator, checkpoints_dir: str | os.PathLike | None 
     place of ``accelerator.load_state(...)``::
 
         path = load_resumable_state(accelerator)           # ProjectConfiguration(automatic_checkpoint_naming=True)
-        path = load_resumable_state(accelerator, "out")    # out/step_100, out/step_200, ... (any name ending in N)
+        path = load_resumable_state(accelerator, "out")    # out/step_100, out/step_200, ... (letters, _ or -, N)
 
     Args:
         accelerator (`accelerate.Accelerator`): the accelerator :func:`register_birder_hook` was called with (its
@@ -199,7 +200,8 @@ def load_resumable_state(accelerator, checkpoints_dir: str | os.PathLike | None 
             ``ProjectConfiguration(automatic_checkpoint_naming=True)``: ``project_dir/checkpoints``.
         **load_kwargs: passed to ``accelerator.load_state``.
 
-    The checkpoints are the sub-folders whose names end in a number, highest first (as accelerate orders them); the
+    The checkpoints are the sub-folders named letters, ``_`` or ``-``, then a number in ASCII digits without a leading
+    zero, of one naming scheme (two raise ``ValueError``), highest first (as accelerate orders them); the
     first one marked complete (``birder_hf.checkpoint.checkpoint_problem``) is loaded, newer incomplete ones are named
     in a warning. With automatic naming, the next ``save_state`` goes after the highest number present (accelerate
     would write ``checkpoint_0`` again). Collective: rank 0's choice is every rank's.
@@ -211,6 +213,7 @@ def load_resumable_state(accelerator, checkpoints_dir: str | os.PathLike | None 
             raise ValueError(explain(what, "pass checkpoints_dir=..., or use automatic_checkpoint_naming=True"))
         checkpoints_dir = os.path.join(accelerator.project_dir, "checkpoints")
     folder = os.path.expanduser(os.fspath(checkpoints_dir))
+    _check_one_naming(folder)
     path = find_resumable_checkpoint(folder, pattern=_NUMBERED)
     automatic = os.path.join(accelerator.project_dir or "", "checkpoints")
     if config.automatic_checkpoint_naming and os.path.abspath(folder) == os.path.abspath(automatic):
@@ -220,6 +223,20 @@ def load_resumable_state(accelerator, checkpoints_dir: str | os.PathLike | None 
     if path is not None:
         accelerator.load_state(path, **load_kwargs)
     return path
+
+
+def _check_one_naming(folder: str) -> None:
+    # the numbers of two naming schemes (an older run's step_100 beside this one's checkpoint_1) say nothing of age
+    names = {}
+    if os.path.isdir(folder):
+        for name in sorted(os.listdir(folder)):
+            m = _NUMBERED.match(name)
+            if m and os.path.isdir(os.path.join(folder, name)):
+                names.setdefault(m.group(1), name)
+    if len(names) > 1:
+        listed = ", ".join(names.values())
+        what = f"{folder} holds checkpoints named in {len(names)} ways ({listed}), whose numbers say nothing of age"
+        raise ValueError(explain(what, "keep one naming scheme in the folder (move the others away)"))
 
 
 def _register_checkpoint_hooks(accelerator, optimizer: OneBitOptimizer) -> None:

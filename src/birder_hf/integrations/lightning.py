@@ -48,6 +48,7 @@ from ..base import OneBitOptimizer, explain
 from ..checkpoint import (
     MARKER,
     checkpoint_problem,
+    checkpoint_step,
     clear_completion_marker,
     gather_reports,
     mark_checkpoint_complete,
@@ -99,9 +100,10 @@ def find_resumable_lightning_checkpoint(dirpath: str | os.PathLike) -> str | Non
     ``None``: pass it as ``trainer.fit(model, ckpt_path=...)`` (``None`` starts fresh).
 
     Complete: its ``<name>.ckpt.birder/birder_complete.json`` is there and every file it lists has the size it lists.
-    Newest: the latest written, as ``ckpt_path="last"`` picks by time (so an earlier checkpoint when the job died
-    while rewriting ``last.ckpt``). Newer incomplete ones are named in a warning and left alone. Reads only the file
-    system (call it before ``fit``); the strategy refuses to resume ranks that disagree.
+    Newest: the highest training step recorded in that marker when it was written (names such as ``last.ckpt`` carry
+    none, and file times change with a copy or a ``touch``); checkpoints marked before steps were recorded come after,
+    by time. Incomplete ones (no marker) are named in a warning and left alone. Reads only the file system (call it
+    before ``fit``); the strategy refuses to resume ranks that disagree.
     """
     folder = os.fspath(dirpath)
     if "://" in folder:
@@ -120,7 +122,11 @@ def find_resumable_lightning_checkpoint(dirpath: str | os.PathLike) -> str | Non
                     times.append(os.lstat(part).st_mtime_ns)
                 except OSError:
                     pass
-            found[path] = (max(times), name)
+            step = checkpoint_step(birder_state_dir(path))
+            marked = os.path.isfile(os.path.join(birder_state_dir(path), MARKER))
+            # first those without a marker (incomplete: named in a warning), then by recorded step, then older
+            # markers (no step recorded) by time
+            found[path] = (2 if not marked else 1 if step is not None else 0, -1 if step is None else step, max(times))
     for path in sorted(found, key=found.get, reverse=True):
         problem = _lightning_checkpoint_problem(path)
         if problem is None:
@@ -306,6 +312,7 @@ class BirderDDPStrategy(DDPStrategy):
             write=write,
             failed=failure,
             extra_files=[ckpt] if write else (),
+            step=checkpoint.get("global_step"),
         )
 
     def remove_checkpoint(self, filepath) -> None:
