@@ -159,6 +159,22 @@ def test_bad_stale_is_refused_and_lazy_is_its_deprecated_name():
         assert opt.param_groups[0]["stale"] == stale
 
 
+def test_lazy_follows_one_rule_in_birder_and_birder_arguments():
+    # issue 41: lazy=0 became "fade" (not "keep"), and lazy beside stale won in Birder but lost in BirderArguments
+    from birder_hf.integrations.transformers import BirderArguments
+
+    build = (
+        lambda **kw: Birder([torch.nn.Parameter(torch.zeros(2))], **kw),
+        lambda **kw: BirderArguments(**kw),
+    )
+    for make in build:
+        for kwargs, says in (({"lazy": 0}, "Invalid lazy=0"), ({"lazy": True, "stale": "keep"}, "Pass stale= only")):
+            with pytest.warns(FutureWarning), pytest.raises(ValueError, match=says):
+                make(**kwargs)
+    with pytest.warns(FutureWarning):
+        assert BirderArguments(lazy=False).stale == "keep"
+
+
 # --------------------------------------------------------------------------------------------- several ranks
 # (layout, method, inter_method, whether the method can express d = 0)
 CASES_2 = [(None, "allgather", "allgather", True), (None, "scatter_gather", "allgather", False)]

@@ -59,6 +59,21 @@ DEFAULT_STALE = "fade"
 # "fade": a stale coordinate stops voting once |u| < STALE_VOTE_MIN: at most ceil(ln(1/20) / ln(beta)) stale steps
 STALE_VOTE_MIN = 0.05
 
+
+def stale_from_lazy(stale: str | None, lazy) -> str | None:
+    """``stale`` from the deprecated ``lazy=`` (``True``: ``"lazy"``, ``False``: ``"keep"``), one rule for
+    :class:`Birder` and ``BirderArguments``: ``lazy`` must be a bool, and not given beside ``stale``."""
+    if lazy is None:
+        return stale
+    warnings.warn('lazy= is replaced by stale=: lazy=True is stale="lazy", lazy=False is stale="keep"', FutureWarning,
+                  stacklevel=3)  # fmt: skip
+    if not isinstance(lazy, bool):
+        raise ValueError(f'Invalid lazy={lazy!r}: pass stale="lazy" (lazy=True) or stale="keep" (lazy=False).')
+    if stale is not None:
+        raise ValueError(f"Pass stale= only (stale={stale!r} and the deprecated lazy={lazy!r} were both given).")
+    return "lazy" if lazy else "keep"
+
+
 # u = m / max(b, _TINY): equals m / b wherever b is a normal float32, and 0 where b = 0 (then m = 0).
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -184,11 +199,7 @@ class Birder(OneBitOptimizer):
         if comm_method is not None:
             warnings.warn("Birder(comm_method=...) is renamed method=...", FutureWarning, stacklevel=2)
             method = comm_method if method is None else method
-        if lazy is not None:
-            warnings.warn('Birder(lazy=...) is replaced by stale=...: lazy=True is stale="lazy", lazy=False is '
-                          'stale="keep"', FutureWarning, stacklevel=2)  # fmt: skip
-            if stale is None and isinstance(lazy, bool):
-                stale = "lazy" if lazy else "keep"
+        stale = stale_from_lazy(stale, lazy)
         stale = DEFAULT_STALE if stale is None else stale
         distributed = topology is not None or process_group is not None
         error = None

@@ -23,7 +23,16 @@ class BirderReference:
     in ``Birder``."""
 
     def __init__(
-        self, params, lr=1e-3, beta=0.95, weight_decay=0.0, *, quantize=True, amsgrad=False, stale=DEFAULT_STALE, seed=0
+        self,
+        params,
+        lr=1e-3,
+        beta=0.95,
+        weight_decay=0.0,
+        *,
+        quantize=True,
+        amsgrad=False,
+        stale=DEFAULT_STALE,
+        seed=0,
     ):
         self.params = list(params)
         self.lr, self.beta, self.wd = lr, beta, weight_decay

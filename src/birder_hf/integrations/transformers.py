@@ -59,7 +59,7 @@ from ..fsdp import register_birder_fsdp
 from ..hook import attach_ddp_hook
 from ..model_card import fix_trainer_card, model_card_section, optimizer_description
 from ..onebit_adam import OneBitAdam
-from ..optim import DEFAULT_STALE, Birder
+from ..optim import DEFAULT_STALE, Birder, stale_from_lazy
 from ..topology import Topology
 from . import needs_extra
 from .accelerate import check_really_distributed, report_skipped_step
@@ -134,11 +134,8 @@ class BirderArguments:
         if self.comm_method is not None:
             warnings.warn("BirderArguments(comm_method=...) is renamed method=...", FutureWarning, stacklevel=3)
             self.method, self.comm_method = self.comm_method, None
-        if self.lazy is not None:
-            warnings.warn('BirderArguments(lazy=...) is replaced by stale=...: lazy=True is stale="lazy", lazy=False '
-                          'is stale="keep"', FutureWarning, stacklevel=3)  # fmt: skip
-            if isinstance(self.lazy, bool):  # anything else is left for the rule below to refuse
-                self.stale = "lazy" if self.lazy else "keep"
+        if self.lazy is not None:  # the same rule as Birder's (stale has a default here: given beside lazy, not set)
+            self.stale = stale_from_lazy(None if self.stale == DEFAULT_STALE else self.stale, self.lazy)
             self.lazy = None
         # the same rules as the objects these settings build (set from Python, a value may have any type)
         if self.optimizer not in self.optimizers:
