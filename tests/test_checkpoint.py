@@ -93,3 +93,20 @@ def test_files_load_with_weights_only(tmp_path):
     path = save_rank_state(opt, str(tmp_path), rank=0, world_size=1)
     payload = torch.load(path, weights_only=True)
     assert payload["rank"] == 0 and "optimizer" in payload
+
+
+def test_settings_replaced_by_a_loaded_state_are_named(tmp_path):
+    # issue 41: beta / stale / amsgrad given anew on resume were overridden by the saved ones without a word (torch's
+    # rule, kept); the lr is a scheduler's, and a round trip changes nothing, so neither warns
+    import warnings
+
+    p, opt = _trained()
+    saved = opt.state_dict()
+    resumed = Birder([p], lr=0.5, beta=0.8, stale="keep", seed=opt.seed)
+    with pytest.warns(UserWarning, match=r"beta: 0.8 -> 0.95.*stale: 'keep' -> 'fade'.*after loading") as caught:
+        resumed.load_state_dict(saved)
+    assert "lr" not in str(caught[0].message)
+    assert resumed.param_groups[0]["beta"] == 0.95 and resumed.param_groups[0]["stale"] == "fade"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resumed.load_state_dict(resumed.state_dict())

@@ -411,6 +411,7 @@ class OneBitOptimizer(Optimizer):
             state_dict, self._staged_state = self._staged_state, None
         self.check_state_dict(state_dict)
         round_trip = not own and self._holds(state_dict)
+        self._warn_replaced_settings(state_dict["param_groups"])
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         keep = {}
@@ -429,6 +430,22 @@ class OneBitOptimizer(Optimizer):
         self._index_cache = None
         if not round_trip:  # (a round trip keeps what the state was: accelerate's prepare reloads it on its device)
             self._shared_state = not own and bool(self.state) and _world_size() > 1
+
+    def _warn_replaced_settings(self, saved_groups: list[dict]) -> None:
+        # torch.optim's rule: a loaded state's settings replace the constructor's. Say so when they differ, or the new
+        # value is lost unseen (not lr, which a resumed schedule has moved on purpose, nor the seed, which a resume
+        # restores for its bits, nor foreach, a choice of kernel)
+        changed = [
+            f"param group {i} {key}: {group[key]!r} -> {saved[key]!r}"
+            for i, (group, saved) in enumerate(zip(self.param_groups, saved_groups))
+            for key in self.settings
+            if key not in ("lr", "seed", "foreach") and key in saved and key in group and saved[key] != group[key]
+        ]
+        if changed:
+            listed = "; ".join(changed)
+            what = f"{type(self).__name__}.load_state_dict replaced settings with the saved ones ({listed})"
+            fix = "as torch.optim does; to change one, set param_groups[i][key] after loading"
+            warnings.warn(explain(what, fix), UserWarning, stacklevel=3)
 
     def _holds(self, state_dict: dict) -> bool:
         """Whether ``state_dict`` is this optimizer's state as it is now (a round trip through ``state_dict()``)."""
