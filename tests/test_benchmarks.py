@@ -337,3 +337,29 @@ def test_seed_sweep_reads_later_seeds_of_every_protocol_row(tmp_path):
     assert res["steps_to_target_worst"] == math.inf
     alone = sweep.sweep("qa", [3], [work], results, "_t", None)["variants"]["P"]
     assert alone["time_to_target_median_s"] == pytest.approx(2 * fp32_phase + 18 * compressed)
+
+
+def test_recipe_matrix_reports_median_and_worst_seed_per_cell(tmp_path):
+    # the report reads each run's all_results.json and trainer_state.json: median and worst seed per layout and
+    # config (worst = lowest F1, highest perplexity), cells without runs left out; --report runs nothing
+    matrix = _load("recipe_matrix")
+    assert matrix.parse_config("adamw=--optimizer adamw --seed 1") == ("adamw", ["--optimizer", "adamw", "--seed", "1"])
+    assert matrix.parse_config("birder=") == ("birder", [])
+    assert matrix.processes("1") == (1, 1) and matrix.processes("2x4") == (2, 4)
+    with pytest.raises(SystemExit, match="NAME=RECIPE_ARGS"):
+        matrix.parse_config("--beta 0.8")
+    for seed, f1 in ((3, 50.0), (4, 40.0), (5, 60.0)):
+        run = tmp_path / "work" / "qa" / f"1x2-birder-seed{seed}"
+        run.mkdir(parents=True)
+        (run / "all_results.json").write_text(json.dumps({"eval_f1": f1}))
+        history = [{"step": 10, "loss": 2.0}, {"step": 20, "loss": 1.0}, {"step": 20, "train_runtime": 1.0}]
+        (run / "trainer_state.json").write_text(json.dumps({"log_history": history}))
+    args = ["--task", "qa", "--layouts", "1x2", "2x2", "--seeds", "3", "4", "5", "--configs", "birder=", "adamw=x",
+            "--work", str(tmp_path / "work"), "--results", str(tmp_path), "--report"]  # fmt: skip
+    assert matrix.main(args) == 0
+    res = json.loads((tmp_path / "recipe_matrix_qa.json").read_text())
+    cell = res["cells"]["1x2"]["birder"]
+    assert cell["median"] == 50.0 and cell["worst"] == 40.0 and cell["curves"]["3"]["loss"] == [2.0, 1.0]
+    assert res["cells"]["1x2"].keys() == {"birder"} and res["cells"]["2x2"] == {}
+    assert "| 1x2 | 2 | 3 | 50.0 / 40.0 |  |" in (tmp_path / "recipe_matrix_qa.md").read_text()
+    assert (tmp_path / "recipe_matrix_qa.png").stat().st_size > 0
