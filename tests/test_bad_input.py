@@ -579,6 +579,18 @@ ROWS = [
         ["betas=(0.9, 0.999)", "pass beta="],
         id="birder-betas",
     ),
+    P(
+        lambda e: _step_without(e, "stale"),
+        ValueError,
+        ["lacks Birder's settings ['stale']", "set them back"],
+        id="step-with-a-setting-deleted",
+    ),
+    P(
+        lambda e: e.opt.load_state_dict(_onebitadam_state(e.model)),
+        ValueError,
+        ["looks like the state of birder_hf.OneBitAdam, not of Birder", "start from zero state"],
+        id="load-onebitadam-state-into-birder",
+    ),
     # timm's factory drops the common eps=/betas= for Birder (its convention: test_integrations); a typo still raises
     P(lambda e: _timm_create(bta=0.9), TypeError, ["unknown setting bta=0.9", "its settings are"], id="timm-typo"),
     P(
@@ -634,6 +646,22 @@ def _resized_after_state(env, cls, **kwargs):
         opt.step()
     finally:
         assert torch.equal(q, before[0]) and _same(opt.state_dict(), before[1]), "a parameter moved before the error"
+
+
+def _step_without(e, key):
+    saved = e.opt.param_groups[0].pop(key)
+    try:
+        e.opt.step()
+    finally:
+        e.opt.param_groups[0][key] = saved  # the row's check then compares the state as it was
+
+
+def _onebitadam_state(model):
+    model = copy.deepcopy(model)  # the same parameters, stepped elsewhere
+    opt = OneBitAdam(model.parameters(), lr=0.1, freeze_step=2)
+    model(torch.randn(8, 4)).square().mean().backward()
+    opt.step()
+    return opt.state_dict()
 
 
 def _timm_create(**kwargs):

@@ -6,6 +6,7 @@ resumes from the newest such one by itself, under torchrun's elastic agent with 
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -284,3 +285,20 @@ def test_checkpoint_names_are_read_strictly(tmp_path):
     for name in ("checkpoint-0012", "checkpoint-\u0661\u0662", "checkpoint-+12", "checkpoint-12 "):
         _checkpoint(os.path.join(out, name))
     assert find_resumable_checkpoint(out) == five
+
+
+def test_a_file_or_a_checkpoint_given_as_the_search_folder_is_refused(tmp_path):
+    # issue 41: both meant a fresh start with one INFO line, and an elastic restart silently trained from step 0
+    from birder_hf.integrations.lightning import find_resumable_lightning_checkpoint
+
+    out = str(tmp_path)
+    four = _checkpoint(os.path.join(out, "checkpoint-4"))
+    says = re.escape(f"{four} is a checkpoint") + ".*" + re.escape(f"its parent ({out})")
+    with pytest.raises(ValueError, match=says):
+        find_resumable_checkpoint(four)
+    a_file = os.path.join(out, "epoch=0-step=4.ckpt")
+    open(a_file, "wb").close()
+    for find in (find_resumable_checkpoint, find_resumable_lightning_checkpoint):
+        with pytest.raises(ValueError, match="is a file, not the folder that holds the checkpoints"):
+            find(a_file)
+    assert find_resumable_checkpoint(out) == four

@@ -173,6 +173,13 @@ def test_trainer_refusals_at_construction(tmp_path):
     )
     with pytest.raises(TypeError, match=r"Birder \(or OneBitAdam\) optimizer"):
         trainer.train()
+    # save_only_model writes no optimizer state: "auto" used to skip every checkpoint as "stopped while writing it"
+    only_model = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, max_steps=1, report_to=[], save_only_model=True
+    )
+    trainer = BirderTrainer(model=TinyRegressor(), args=only_model, train_dataset=Regression(16))
+    with pytest.raises(ValueError, match="save_only_model=True.*hold no optimizer state.*save_only_model false"):
+        trainer.train(resume_from_checkpoint="auto")
     with pytest.raises(ValueError, match="choose one of birder, onebitadam"):
         BirderArguments(optimizer="adamw")
 

@@ -485,6 +485,11 @@ class OneBitOptimizer(Optimizer):
             if isinstance(lr, torch.Tensor) and lr.device.type != "cpu":
                 values["lr"] = lr.new_zeros(()).cpu() if lr.numel() == 1 and lr.is_floating_point() else lr.cpu()
             index = next(j for j, g in enumerate(self.param_groups) if g is group) if groups is not None else i
+            missing = [k for k in self.settings if k not in group]
+            if missing:  # deleted since construction (the encode would raise a bare KeyError)
+                what = f"Param group {index} lacks {type(self).__name__}'s settings {missing} (at step(): removed?)"
+                fix = "set them back (param_groups[i][key] = value), or rebuild the optimizer"
+                raise ValueError(explain(what, fix))
             self._check_settings(values, f" in param group {index} (at step(): changed since it was set?)")
 
     # names a param group may hold that are settings of other optimizers: a group holding one meant something
@@ -723,6 +728,10 @@ _TORCH_FLAGS = {"capturable", "fused", "differentiable", "decoupled_weight_decay
 
 def _foreign_optimizer(saved_groups: list, states: dict, opt: OneBitOptimizer) -> str | None:
     """The optimizer that wrote a state dict, when its keys say it is not ``opt``'s kind (``None``: no sign of it)."""
+    for other in OneBitOptimizer.__subclasses__():  # Birder, OneBitAdam: their own settings name them first (a
+        own = set(other.settings) - set(opt.settings)  # OneBitAdam state also has Adam's exp_avg_sq)
+        if other is not type(opt) and own and any(isinstance(g, dict) and own <= set(g) for g in saved_groups):
+            return f"birder_hf.{other.__name__}"
     for state in states.values():
         for key in state if isinstance(state, dict) else ():
             if key in _FOREIGN_STATE and key not in opt.state_keys:

@@ -48,6 +48,7 @@ __all__ = [
     "read_rank_state",
     "read_own_rank_state",
     "rank_state_path",
+    "check_search_folder",
     "disk_full_error",
     "mark_checkpoint_complete",
     "clear_completion_marker",
@@ -417,6 +418,19 @@ def find_resumable_checkpoint(output_dir: str, *, pattern: str | re.Pattern | No
     alone. Collective when ``torch.distributed`` is initialized: rank 0's answer is every rank's (one broadcast).
     ``pattern``: which folders are checkpoints, its last group their number (:func:`numbered_checkpoints`).
     """
+    check_search_folder(output_dir)
     return on_rank_zero(
         lambda: _newest_complete(output_dir, [path for _, path in numbered_checkpoints(output_dir, pattern)])
     )
+
+
+def check_search_folder(folder: str) -> None:
+    """Refuse a file, or a checkpoint itself, as the folder that holds the checkpoints (either meant a fresh start with
+    one INFO line). Every rank checks its own file system, so every rank raises."""
+    if os.path.isfile(folder):
+        what = f"{folder} is a file, not the folder that holds the checkpoints"
+        raise ValueError(explain(what, "pass that folder (its parent), or load this checkpoint directly"))
+    if os.path.isdir(os.path.join(folder, SUBDIR)) or os.path.isfile(_marker_path(folder)):
+        what = f"{folder} is a checkpoint, not the folder that holds the checkpoints"
+        parent = os.path.dirname(os.path.abspath(folder))
+        raise ValueError(explain(what, f"pass its parent ({parent}), or load it directly"))

@@ -47,6 +47,7 @@ from typing import Any
 from ..base import OneBitOptimizer, explain
 from ..checkpoint import (
     MARKER,
+    check_search_folder,
     checkpoint_problem,
     checkpoint_step,
     clear_completion_marker,
@@ -108,6 +109,7 @@ def find_resumable_lightning_checkpoint(dirpath: str | os.PathLike) -> str | Non
     folder = os.fspath(dirpath)
     if "://" in folder:
         birder_state_dir(folder)  # the remote-URL error
+    check_search_folder(folder)  # a .ckpt given for its folder
     found = {}
     if os.path.isdir(folder):
         for name in os.listdir(folder):

@@ -317,6 +317,11 @@ class BirderTrainerMixin(ShardedTrainerMixin):
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         if resume_from_checkpoint == "auto":  # the newest checkpoint complete on every rank; none: a fresh start
+            if self.args.save_only_model:
+                what = "resume_from_checkpoint='auto' with save_only_model=True: those checkpoints hold no optimizer "
+                what += "state (no per-rank Birder state), so none can be resumed"
+                fix = "drop save_only_model (--save_only_model false) to write resumable ones"
+                raise ValueError(explain(what, fix))
             resume_from_checkpoint = find_resumable_checkpoint(self._get_output_dir(kwargs.get("trial")))
         elif resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
