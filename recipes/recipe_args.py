@@ -5,11 +5,14 @@
 - otherwise the recipe's defaults apply under the command line, and on a machine without CUDA ``--use_cpu``;
 - ``--save_steps N`` without ``--save_strategy`` switches checkpoints on (``"steps"``): the recipes default to
   ``"no"``, and a ``--save_steps`` that wrote nothing left ``--resume_from_checkpoint auto`` (an elastic restart)
-  starting from step 0.
+  starting from step 0;
+- ``--learning_rate``, ``--warmup_steps`` and ``--weight_decay`` must be finite numbers >= 0 (``nan`` reached the
+  scheduler and failed there with a traceback).
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -32,4 +35,10 @@ def parse_recipe_args(dataclass_types: tuple, argv: list[str], defaults: dict) -
     if "--save_steps" in given and "--save_strategy" not in given:
         defaults["save_strategy"] = "steps"  # asking for checkpoints every N steps gets them
     parser.set_defaults(**defaults)
-    return tuple(parser.parse_args_into_dataclasses(args=argv))
+    parsed = tuple(parser.parse_args_into_dataclasses(args=argv))
+    training_args = parsed[-1]
+    for name in ("learning_rate", "warmup_steps", "weight_decay"):
+        value = getattr(training_args, name)
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            raise ValueError(f"--{name} must be a finite number >= 0, got {value!r}.")
+    return parsed

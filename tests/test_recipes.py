@@ -96,7 +96,7 @@ def _check_model_card(path, results):
 
 
 @pytest.mark.parametrize("name", ["bert_base", "causal_lm"])
-def test_recipe_save_steps_alone_writes_checkpoints(name):
+def test_recipe_arguments_save_steps_alone_writes_checkpoints_and_numbers_are_finite(name):
     # causal_lm's --save_steps N used to leave save_strategy "no": an elastic restart (auto) started from step 0
     import importlib.util
 
@@ -110,6 +110,9 @@ def test_recipe_save_steps_alone_writes_checkpoints(name):
     assert strategy("--save_steps", "5") == "steps"  # asked for checkpoints: gets them (was: none)
     assert strategy("--save_steps=5") == "steps"
     assert strategy("--save_steps", "5", "--save_strategy", "no") == "no"  # an explicit choice stands
+    for flag in ("--warmup_steps", "--learning_rate", "--weight_decay"):  # nan failed later, with a traceback
+        with pytest.raises(ValueError, match=f"{flag} must be a finite number >= 0, got nan"):
+            recipe.parse_args([flag, "nan"])
 
 
 def test_bert_recipe_baseline_and_bad_arguments(tmp_path):
