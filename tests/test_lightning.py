@@ -250,13 +250,20 @@ def test_refusals_say_how_to_fix():
     assert pick([opt], False) is opt
 
 
-def test_checkpoint_seams_in_one_process(tmp_path):
+def _one_process_strategy():
+    # a stepped Birder and a BirderDDPStrategy holding it, for the checkpoint seams in one process
     model = torch.nn.Linear(3, 1)
     model(torch.randn(4, 3)).sum().backward()
     opt = Birder(model.parameters(), lr=0.1, seed=1)
     opt.step()
     strategy = BirderDDPStrategy(parallel_devices=[torch.device("cpu")])
     strategy.optimizers = [opt]
+    return opt, strategy
+
+
+def test_checkpoint_seams_in_one_process(tmp_path):
+    opt, strategy = _one_process_strategy()
+    weight = opt.param_groups[0]["params"][0]
     path = tmp_path / "epoch=0-step=1.ckpt"
     strategy.save_checkpoint({"optimizer_states": [opt.state_dict()]}, path)
     assert os.path.isfile(birder_state_dir(path) + "/birder/rank_00000-of-00001.pt")
@@ -265,10 +272,10 @@ def test_checkpoint_seams_in_one_process(tmp_path):
     link = tmp_path / "last.ckpt"
     link.symlink_to(path.name)
     assert birder_state_dir(link) == birder_state_dir(path)
-    saved = {k: v.clone() for k, v in opt.state[model.weight].items()}
-    opt.state[model.weight]["exp_avg"].zero_()
+    saved = {k: v.clone() for k, v in opt.state[weight].items()}
+    opt.state[weight]["exp_avg"].zero_()
     strategy.load_optimizer_state_dict(strategy.load_checkpoint(link))
-    assert torch.equal(opt.state[model.weight]["exp_avg"], saved["exp_avg"])
+    assert torch.equal(opt.state[weight]["exp_avg"], saved["exp_avg"])
 
     strategy.save_checkpoint({"state_dict": {}}, tmp_path / "weights.ckpt")  # save_weights_only: no Birder state
     assert not os.path.exists(birder_state_dir(tmp_path / "weights.ckpt"))
@@ -287,12 +294,7 @@ def test_checkpoint_seams_in_one_process(tmp_path):
 
 
 def test_find_resumable_lightning_checkpoint_in_one_process(tmp_path, caplog):
-    model = torch.nn.Linear(3, 1)
-    model(torch.randn(4, 3)).sum().backward()
-    opt = Birder(model.parameters(), lr=0.1, seed=1)
-    opt.step()
-    strategy = BirderDDPStrategy(parallel_devices=[torch.device("cpu")])
-    strategy.optimizers = [opt]
+    opt, strategy = _one_process_strategy()
     older, newer, last = tmp_path / "epoch=0-step=1.ckpt", tmp_path / "epoch=1-step=2.ckpt", tmp_path / "last.ckpt"
     for t, path in enumerate((older, newer)):
         strategy.save_checkpoint({"optimizer_states": [opt.state_dict()]}, path)
@@ -322,12 +324,7 @@ def test_find_resumable_lightning_checkpoint_in_one_process(tmp_path, caplog):
 def test_find_resumable_lightning_checkpoint_orders_by_the_recorded_step(tmp_path):
     # issue 41: the newest by file time was chosen, so after a cp -r or a touch a fit resumed from an older step; the
     # completion marker now records the checkpoint's global_step, and the highest step wins
-    model = torch.nn.Linear(3, 1)
-    model(torch.randn(4, 3)).sum().backward()
-    opt = Birder(model.parameters(), lr=0.1, seed=1)
-    opt.step()
-    strategy = BirderDDPStrategy(parallel_devices=[torch.device("cpu")])
-    strategy.optimizers = [opt]
+    opt, strategy = _one_process_strategy()
     later, earlier = tmp_path / "epoch=1-step=4.ckpt", tmp_path / "epoch=0-step=2.ckpt"
     for step, path in ((4, later), (2, earlier)):
         strategy.save_checkpoint({"optimizer_states": [opt.state_dict()], "global_step": step}, path)
