@@ -302,3 +302,23 @@ def test_a_file_or_a_checkpoint_given_as_the_search_folder_is_refused(tmp_path):
         with pytest.raises(ValueError, match="is a file, not the folder that holds the checkpoints"):
             find(a_file)
     assert find_resumable_checkpoint(out) == four
+
+
+def _mark_with_a_directory_in_the_markers_place(rank, world, folder):
+    opt = Birder([torch.nn.Parameter(torch.ones(3))], lr=0.1)
+    save_rank_state(opt, folder, rank=rank, world_size=world)
+    if rank == 0:
+        os.makedirs(os.path.join(folder, MARKER))
+    try:
+        mark_checkpoint_complete(folder, rank=rank, world_size=world)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_marker_path_that_is_a_directory_stops_every_rank(tmp_path):
+    # issue 41: rank 0 failed writing the marker after the ranks had agreed, and rank 1 went on to wait for it
+    from _dist import run_distributed
+
+    for message in run_distributed(_mark_with_a_directory_in_the_markers_place, 2, str(tmp_path), timeout=60):
+        assert message is not None and "cannot write" in message and "a directory is in its place" in message

@@ -310,6 +310,11 @@ def mark_checkpoint_complete(
     rank, world_size = _rank_and_world(rank, world_size)
     own = rank_state_path(checkpoint_dir, rank, world_size)
     mine = None if os.path.isfile(own) else f"rank {rank} has no {own}"
+    writer = rank == 0 if write is None else write
+    if mine is None and writer and os.path.isdir(_marker_path(checkpoint_dir)):
+        # found here, before the ranks agree: the write below would fail on this rank alone, after the others had gone
+        # on to their next collective
+        mine = f"rank {rank} cannot write {_marker_path(checkpoint_dir)}: a directory is in its place"
     if failed is not None:
         why = f"{type(failed).__name__}: {failed}" if isinstance(failed, BaseException) else failed
         mine = f"rank {rank} failed to write its files ({why})"
@@ -321,7 +326,7 @@ def mark_checkpoint_complete(
             f"Checkpoint {checkpoint_dir} was not marked complete: {'; '.join(missing)}. Every rank saves its Birder "
             "state (save_rank_state) before mark_checkpoint_complete; a resume will not choose this checkpoint."
         )
-    if not (rank == 0 if write is None else write):
+    if not writer:
         return None
     path = _marker_path(checkpoint_dir)
     payload = {"format": _FORMAT, "world_size": world_size, "files": _checkpoint_files(checkpoint_dir, extra_files)}
