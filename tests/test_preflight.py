@@ -210,6 +210,15 @@ def test_config_reads_flags_then_accelerate_config_then_environment(tmp_path):
         config(["--nnodes", "2", "--node_rank", "1", "--master_addr", "h"], {"RANK": "0", "LOCAL_WORLD_SIZE": "2"})
     with pytest.raises(preflight.PreflightError, match="--node_rank is required"):
         config(["--nnodes", "2", "--master_addr", "h"])
+    # issue 41: invalid YAML and a word for a number exited 1 with a traceback
+    for text, says in (
+        ("num_machines: [2\n", "is not valid YAML"),
+        ("- a list\n", "is not an accelerate config"),
+        ("num_machines: two\n", "num_machines: 'two' in --config_file .* is not an integer"),
+    ):
+        yaml_file.write_text(text)
+        with pytest.raises(preflight.PreflightError, match=says):
+            config(["--config_file", str(yaml_file)])
 
 
 def test_interface_names_follow_gloo_and_nccl_rules():

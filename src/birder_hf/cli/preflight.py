@@ -94,7 +94,16 @@ def _read_accelerate_config(path: str) -> dict:
             data = yaml.safe_load(f) or {}
     except OSError as exc:
         raise PreflightError("arguments", f"cannot read --config_file {path}: {exc}") from exc
-    return data if isinstance(data, dict) else {}
+    except yaml.YAMLError as exc:  # a traceback before
+        why = " ".join(str(exc).split())
+        raise PreflightError("arguments", f"--config_file {path} is not valid YAML ({why})") from exc
+    if not isinstance(data, dict):
+        raise PreflightError("arguments", f"--config_file {path} is not an accelerate config (a YAML mapping)")
+    for key in ("num_machines", "num_processes", "machine_rank", "main_process_port"):
+        value = data.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise PreflightError("arguments", f"{key}: {value!r} in --config_file {path} is not an integer")
+    return data
 
 
 def _first(*values):
