@@ -210,6 +210,12 @@ def test_config_reads_flags_then_accelerate_config_then_environment(tmp_path):
         config(["--nnodes", "2", "--node_rank", "1", "--master_addr", "h"], {"RANK": "0", "LOCAL_WORLD_SIZE": "2"})
     with pytest.raises(preflight.PreflightError, match="--node_rank is required"):
         config(["--nnodes", "2", "--master_addr", "h"])
+    # issue 41: a 1-bit check too small to be judged reported a failed collective; a wait too short to connect was
+    # blamed on DNS
+    with pytest.raises(preflight.PreflightError, match="--onebit_numel 1 must be at least 16384"):
+        config(["--onebit_numel", "1"])
+    with pytest.raises(preflight.PreflightError, match="--timeout 0.001 must be at least 1 seconds"):
+        config(["--timeout", "0.001"])
     # issue 41: invalid YAML and a word for a number exited 1 with a traceback
     for text, says in (
         ("num_machines: [2\n", "is not valid YAML"),
@@ -337,3 +343,10 @@ def test_docs_show_preflight_next_to_every_multi_node_launch_and_its_lines_parse
         assert not any("$" in a for a in argv), argv
         cfg = preflight._config(preflight._parser().parse_args(argv), {})
         assert cfg.nnodes > 1 and cfg.node_rank in (0, 1) and cfg.master_addr, cmd
+
+
+def test_a_size_that_does_not_fit_in_memory_is_an_arguments_error():
+    # issue 41: --size_mb 1e6 (a terabyte per rank) failed to allocate, and the report blamed a failed collective
+    run = _Run(["--nnodes", 1, "--nproc_per_node", 2, "--timeout", 60, "--size_mb", 1e6]).result()
+    assert run.code == 2, (run.out, run.err)
+    assert "--size_mb 1e+06 does not fit in memory here" in run.out + run.err

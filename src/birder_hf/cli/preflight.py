@@ -60,6 +60,10 @@ from .ranks import run_rank
 __all__ = ["main", "cli", "PreflightError", "EXIT_CODES"]
 
 
+_MIN_ONEBIT_NUMEL = 1 << 14
+_MIN_TIMEOUT_S = 1.0
+
+
 # ------------------------------------------------------------------------------------------ configuration
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -160,6 +164,12 @@ def _config(args: argparse.Namespace, env) -> Config:
     for name, value in {**positive, "onebit_numel": args.onebit_numel}.items():
         if not (math.isfinite(value) and value > 0):  # nan and inf too: a wait of nan seconds bounds nothing
             raise PreflightError("arguments", f"--{name} {value} must be a finite number > 0")
+    # the 1-bit check compares the votes' mean with 0.5 within 0.05: 6 standard errors (a vote's variance is at most 1)
+    # need 1 / sqrt(n) <= 0.05 / 6; fewer elements reported a failed collective on a healthy machine
+    if args.onebit_numel < _MIN_ONEBIT_NUMEL:
+        raise PreflightError("arguments", f"--onebit_numel {args.onebit_numel} must be at least {_MIN_ONEBIT_NUMEL}")
+    if args.timeout < _MIN_TIMEOUT_S:  # the first wait (the rendezvous) timed out and was blamed on DNS
+        raise PreflightError("arguments", f"--timeout {args.timeout:g} must be at least {_MIN_TIMEOUT_S:g} seconds")
     cfg = Config(
         nnodes=nnodes,
         node_rank=int(node_rank),

@@ -220,7 +220,11 @@ def _measure(cfg: Config, device) -> dict:
         "world": (topo.world_group, range(world), world),
     }
     numel = max(1, int(cfg.size_mb * 1e6 / 4))
-    big = torch.zeros(numel, device=device)
+    try:
+        big = torch.zeros(numel, device=device)
+    except (RuntimeError, MemoryError) as exc:  # out of memory: no collective has failed
+        what = f"--size_mb {cfg.size_mb:g} does not fit in memory here ({exc}); pass less"
+        raise PreflightError("arguments", what) from exc
     seconds = {}
     for name, (group, ranks, size) in groups.items():
         if size == 1:
