@@ -120,14 +120,14 @@ class BirderStaging:
     def sample_directions(self, fut: torch.futures.Future, items: list) -> torch.futures.Future:
         """``fut`` (a bucket's ``d``, in the bucket's layout), recording the first element of each parameter's ``d``
         when it is ready, before DDP copies it into ``.grad``: :meth:`commit` checks ``.grad`` still holds it."""
-        kept = [(b.param, b.offset) for b in items if b.param.numel() > 0]
+        kept = [b for b in items if b.param.numel() > 0]
         if not kept:
             return fut
-        params = [p for p, _ in kept]
+        params, offsets = [b.param for b in kept], [b.offset for b in kept]
 
         def sample(f):
             d = f.value()
-            values = d[torch.tensor([o for _, o in kept], device=d.device)]
+            values = d[torch.tensor(offsets, device=d.device)]
             self._samples.update((p, (values, i)) for i, p in enumerate(params))
             return d
 
