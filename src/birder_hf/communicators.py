@@ -268,9 +268,7 @@ class HookState(Communicator):
         error = settings = None  # this rank's checks, then one exchange with the others (agree_setup, "set-up" above)
         try:
             self._check_setup(optimizer, topology)
-            check_grad_scaler(grad_scaler)
-            if grad_scaler is not None and not self.loss_scale_invariant:
-                raise ValueError(explain(f"{self.hook_name} cannot train with fp16 loss scaling", "use bf16"))
+            self.grad_scaler = grad_scaler  # the setter's checks, here on the ranks' agreement path
             if not dist.is_available() or not dist.is_initialized():
                 raise RuntimeError(f"{self.hook_name} needs torch.distributed to be initialized (init_process_group).")
             nodes = (1, dist.get_world_size()) if topology is None else (topology.num_nodes, topology.local_world_size)
@@ -286,7 +284,7 @@ class HookState(Communicator):
             what=type(self).__name__,
             fix=f"build every rank's hook state and {type(optimizer).__name__} with the same parameters and settings",
         )
-        self._grad_scaler, self._scale, self._skipping = grad_scaler, None, False
+        self._scale, self._skipping = None, False
         self.topology = topology if topology is not None else Topology.flat()
         # the ranks that agree a step is finite: the topology's (DDP), or every rank of the mesh (FSDP, whose
         # topology spans only this rank's replicas); None: the topology's, read through agree_group so close() frees it
