@@ -57,6 +57,14 @@ def _run(rank, world, project, mode):
             return {"error": str(exc), "own_state": bool(opt.optimizer.state)}
         return {"error": None}
     register_birder_hook(acc, model, opt)
+    if mode == "held":  # another job writes this project's checkpoints
+        errors = []
+        for call in (lambda: load_resumable_state(acc), acc.save_state):
+            try:
+                call()
+            except RuntimeError as exc:
+                errors.append(str(exc))
+        return {"errors": errors, "saved": os.path.exists(os.path.join(project, "checkpoints"))}
     batches = list(loader)
     records = _logged("birder_hf.checkpoint")
     start, chosen = 0, None
@@ -227,6 +235,21 @@ def test_a_load_before_the_hook_is_registered_is_refused(tmp_path):
         for out in run_distributed(_run, 2, project, mode, env=_launcher_env(), timeout=300, local_world_size=2):
             assert out["error"] is not None and "each rank holds the same m and b" in out["error"], mode
             assert "register_birder_hook right after prepare" in out["error"] and out["own_state"]
+
+
+def test_a_project_another_job_writes_stops_every_rank_before_it_loads_or_saves(tmp_path):
+    from test_elastic import _holder
+
+    project = str(tmp_path / "project")
+    other = _holder(project)
+    try:
+        outs = run_distributed(_run, 2, project, "held", env=_launcher_env(), timeout=300, local_world_size=2)
+    finally:
+        other.kill()
+        other.wait()
+    for out in outs:  # rank 0 holds the lock; both ranks raise its refusal, at the load and at the save
+        assert len(out["errors"]) == 2 and not out["saved"], out
+        assert all(f"rank 0: {project} is being written by another job" in e for e in out["errors"]), out
 
 
 def test_resume_discovery_reads_checkpoint_names_strictly(tmp_path):

@@ -22,7 +22,9 @@ from birder_hf.checkpoint import (
     MARKER,
     SUBDIR,
     checkpoint_problem,
+    file_sha256,
     find_resumable_checkpoint,
+    load_rank_state,
     mark_checkpoint_complete,
     save_rank_state,
 )
@@ -78,6 +80,93 @@ def test_a_checkpoint_without_every_rank_birder_file_is_not_marked(tmp_path):
     marker = mark_checkpoint_complete(folder, rank=0, world_size=1)
     files = json.load(open(marker))["files"]
     assert files == {"birder/rank_00000-of-00001.pt": files["birder/rank_00000-of-00001.pt"], "model.safetensors": 100}
+
+
+def test_a_rank_file_rewritten_in_place_at_the_same_size_is_caught_by_its_checksum(tmp_path, caplog):
+    out = str(tmp_path)
+    older = _checkpoint(os.path.join(out, "checkpoint-4"))
+    newer = _checkpoint(os.path.join(out, "checkpoint-8"))
+    marker = json.load(open(os.path.join(newer, MARKER)))
+    rel = "birder/rank_00000-of-00001.pt"
+    assert marker["sha256"] == {name: file_sha256(os.path.join(newer, name)) for name in marker["files"]}
+    path = os.path.join(newer, *rel.split("/"))
+    size = os.path.getsize(path)
+    other = Birder([torch.nn.Parameter(torch.ones(3))], lr=0.2)  # another state of the same layout
+    os.rename(save_rank_state(other, str(tmp_path / "elsewhere"), rank=0, world_size=1), path)
+    assert os.path.getsize(path) == size  # sizes alone saw nothing
+    with caplog.at_level(logging.INFO, logger="birder_hf.checkpoint"):
+        assert find_resumable_checkpoint(out) == older
+    assert f"checkpoint-8 ({rel} was changed after it was marked complete" in caplog.text
+    with pytest.raises(RuntimeError, match="was changed after it was marked complete.*resume from another checkpoint"):
+        load_rank_state(Birder([torch.nn.Parameter(torch.ones(3))], lr=0.1), newer, rank=0, world_size=1)
+    load_rank_state(Birder([torch.nn.Parameter(torch.ones(3))], lr=0.1), older, rank=0, world_size=1)
+
+
+_HOLD = """
+import os, sys, time
+sys.path.insert(0, {src!r})
+from birder_hf.checkpoint import claim_output_dir
+claim_output_dir({folder!r})
+if {orphan!r} and os.fork() == 0:  # a data loader worker: it keeps the lock a while after its parent died
+    time.sleep(3)
+    os._exit(0)
+print("held", flush=True)
+{then}
+"""
+
+
+def _holder(folder, *, orphan=False, then="sys.stdin.read()"):
+    script = _HOLD.format(src=ROOT + "/src", folder=folder, orphan=orphan, then=then)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "held\n"
+    return proc
+
+
+def test_an_output_dir_another_job_writes_is_refused_until_that_job_ends(tmp_path):
+    from birder_hf.checkpoint import LOCK, claim_output_dir
+
+    out = str(tmp_path / "out")
+    other = _holder(out)
+    try:
+        with pytest.raises(RuntimeError, match=f"{re.escape(out)} is being written by another job .*pid {other.pid}.*"
+                           "give this job its own output folder, or wait for that job to end"):  # fmt: skip
+            claim_output_dir(out)
+    finally:
+        other.kill()  # SIGKILL: no clean-up ran, the operating system released the lock
+        other.wait()
+    claim_output_dir(out)
+    claim_output_dir(out)  # held by this process already: free
+    assert json.load(open(os.path.join(out, LOCK)))["pid"] == os.getpid()
+    # a holder that died here while a child it forked still holds the lock (an elastic restart): waited for
+    orphaned = str(tmp_path / "orphaned")
+    _holder(orphaned, orphan=True, then="").wait()
+    start = time.monotonic()
+    claim_output_dir(orphaned)
+    assert time.monotonic() - start > 1
+    # a folder that cannot be written is refused before training, not at the first checkpoint
+    with open(tmp_path / "file", "w"):
+        pass
+    with pytest.raises(RuntimeError, match="file/out is not writable .*choose a writable output folder"):
+        claim_output_dir(str(tmp_path / "file" / "out"))
+
+
+def test_a_trainer_whose_output_dir_another_job_writes_stops_before_training(tmp_path):
+    from transformers import TrainingArguments
+
+    from birder_hf.integrations.transformers import BirderTrainer
+
+    out = str(tmp_path / "out")
+    other = _holder(out)
+    try:
+        args = TrainingArguments(output_dir=out, use_cpu=True, max_steps=2, save_steps=1, report_to=[])
+        data = [{"x": torch.ones(4), "labels": torch.zeros(3)}] * 4
+        trainer = BirderTrainer(model=torch.nn.Linear(4, 3), args=args, train_dataset=data)
+        with pytest.raises(RuntimeError, match="is being written by another job"):
+            trainer.train()
+        assert trainer.state.global_step == 0 and sorted(os.listdir(out)) == ["_birder.lock"]
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_a_restart_on_the_store_of_the_last_attempt_is_refused_with_the_fix(monkeypatch):
@@ -272,7 +361,7 @@ def test_old_checkpoints_are_rotated_away_only_after_the_new_one_is_marked_compl
     trainer = BirderTrainer(model=BertForSequenceClassification(config), args=args, train_dataset=data)
     with pytest.raises(KeyboardInterrupt):
         trainer.train()
-    assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-3"]  # checkpoint-1 rotated away after 2's marker
+    assert sorted(os.listdir(out)) == ["_birder.lock", "checkpoint-2", "checkpoint-3"]  # checkpoint-1 rotated away
     assert checkpoint_problem(os.path.join(out, "checkpoint-2")) is None
     assert find_resumable_checkpoint(out) == os.path.join(out, "checkpoint-2")
 

@@ -27,13 +27,17 @@ A checkpoint is usable only if every rank's file was written, and the framework'
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
 import numbers
 import os
 import re
 import shutil
+import socket
+import sys
 import tempfile
+import time
 import warnings
 
 import torch
@@ -49,14 +53,17 @@ __all__ = [
     "read_own_rank_state",
     "rank_state_path",
     "check_search_folder",
+    "claim_output_dir",
     "disk_full_error",
     "mark_checkpoint_complete",
     "clear_completion_marker",
     "checkpoint_problem",
+    "file_sha256",
     "find_resumable_checkpoint",
     "numbered_checkpoints",
     "SUBDIR",
     "MARKER",
+    "LOCK",
 ]
 
 logger = logging.getLogger(__name__)
@@ -64,6 +71,9 @@ logger = logging.getLogger(__name__)
 SUBDIR = "birder"
 _FORMAT = 1
 _NAME = re.compile(r"^rank_(\d{5})-of-(\d{5})\.pt$")
+# in the output folder, held (flock) by the job writing there for the life of its process; a leading _: the Trainer's
+# push_to_hub leaves it out
+LOCK = "_birder.lock"
 MARKER = "birder_complete.json"  # in the checkpoint folder, beside the framework's files; written last
 # the Trainer's folder names (accelerate's and Lightning's differ): ASCII digits without a leading zero, as the Trainer
 # writes them (\d would read checkpoint-0012, or checkpoint-١٢ in Arabic-Indic digits, as step 12)
@@ -199,6 +209,9 @@ def read_rank_state(
     path = rank_state_path(checkpoint_dir, source, saved_world)
     if not os.path.exists(path):
         raise FileNotFoundError(f"Birder state {path} is missing (an incomplete checkpoint of {saved_world} ranks).")
+    changed = _changed_since_marked(checkpoint_dir, os.path.relpath(path, checkpoint_dir).replace(os.sep, "/"))
+    if changed:
+        raise RuntimeError(f"Birder state {path} {changed}: resume from another checkpoint, or save this one again.")
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:
@@ -259,21 +272,62 @@ def _marker_path(checkpoint_dir: str) -> str:
     return os.path.join(checkpoint_dir, MARKER)
 
 
-def _checkpoint_files(checkpoint_dir: str, extra_files=()) -> dict[str, int]:
-    """Every file of the checkpoint (``/``-separated relative path -> bytes), not the marker nor temporary files; and
+def _checkpoint_files(checkpoint_dir: str, extra_files=()) -> dict[str, str]:
+    """Every file of the checkpoint (``/``-separated relative path -> path), not the marker nor temporary files; and
     ``extra_files`` outside the folder (relative paths such as ``../x.ckpt``)."""
     files = {}
     for extra in extra_files:
-        rel = os.path.relpath(os.path.abspath(extra), os.path.abspath(checkpoint_dir)).replace(os.sep, "/")
-        files[rel] = os.path.getsize(extra)
+        files[_relative(extra, checkpoint_dir)] = extra
     for root, dirs, names in os.walk(checkpoint_dir):
         dirs.sort()
         for name in sorted(names):
-            rel = os.path.relpath(os.path.join(root, name), checkpoint_dir).replace(os.sep, "/")
+            path = os.path.join(root, name)
+            rel = _relative(path, checkpoint_dir)
             if name.startswith(".tmp-") or rel == MARKER:
                 continue
-            files[rel] = os.path.getsize(os.path.join(root, name))
+            files[rel] = path
     return files
+
+
+def _relative(path: str, checkpoint_dir: str) -> str:
+    return os.path.relpath(os.path.abspath(path), os.path.abspath(checkpoint_dir)).replace(os.sep, "/")
+
+
+def file_sha256(path: str) -> str:
+    """The SHA-256 of a file's bytes (hex), read in 8 MiB blocks: what the completion marker records of every file."""
+    digest = hashlib.sha256()
+    block = bytearray(1 << 23)
+    view = memoryview(block)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(block):
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
+def _read_marker(checkpoint_dir: str) -> dict | None:
+    try:
+        with open(_marker_path(checkpoint_dir), encoding="utf-8") as f:
+            payload = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return payload if isinstance(payload, dict) else None
+
+
+def _changed_since_marked(checkpoint_dir: str, rel: str, marker: dict | None = None) -> str | None:
+    """How ``rel`` differs from what the completion marker recorded of it (size, then SHA-256), or ``None`` (the
+    same, or not recorded: a checkpoint without a marker, or marked before markers recorded digests)."""
+    marker = _read_marker(checkpoint_dir) if marker is None else marker
+    if marker is None:
+        return None
+    full = os.path.join(checkpoint_dir, *rel.split("/"))
+    sizes, digests = (marker.get(key) if isinstance(marker.get(key), dict) else {} for key in ("files", "sha256"))
+    size = sizes.get(rel)
+    if size is not None and os.path.getsize(full) != size:
+        return f"has {os.path.getsize(full)} bytes, {size} when it was marked complete"
+    digest = digests.get(rel)
+    if digest is not None and file_sha256(full) != digest:
+        return "was changed after it was marked complete (its SHA-256 differs from the one recorded)"
+    return None
 
 
 def clear_completion_marker(checkpoint_dir: str) -> None:
@@ -298,7 +352,8 @@ def mark_checkpoint_complete(
 
     Collective when ``torch.distributed`` runs ``world_size`` ranks: one all-gather checks that every rank's Birder
     state is in place (each rank looks at its own file: per-node disks work). Then the writers (``write``; default:
-    rank 0) write ``birder_complete.json`` atomically: the world size and the size of every file they see. Raises
+    rank 0) write ``birder_complete.json`` atomically: the world size, and the size and SHA-256 of every file they see
+    (each rank hashes its own state file; resume discovery and :func:`read_rank_state` check them). Raises
     ``RuntimeError`` naming the ranks whose file is missing. Returns the marker's path on the writers, else ``None``.
 
     ``failed``: why this rank could not write its files, a message or the exception itself (it still calls this, so
@@ -310,6 +365,8 @@ def mark_checkpoint_complete(
     rank, world_size = _rank_and_world(rank, world_size)
     own = rank_state_path(checkpoint_dir, rank, world_size)
     mine = None if os.path.isfile(own) else f"rank {rank} has no {own}"
+    # each rank hashes its own state (the largest files, in parallel); the writers hash the rest
+    own_digest = file_sha256(own) if mine is None and failed is None else None
     writer = rank == 0 if write is None else write
     if mine is None and writer and os.path.isdir(_marker_path(checkpoint_dir)):
         # found here, before the ranks agree: the write below would fail on this rank alone, after the others had gone
@@ -318,7 +375,8 @@ def mark_checkpoint_complete(
     if failed is not None:
         why = f"{type(failed).__name__}: {failed}" if isinstance(failed, BaseException) else failed
         mine = f"rank {rank} failed to write its files ({why})"
-    missing = [r for r in gather_reports(mine, world_size) if r is not None]
+    rows = gather_reports((mine, own_digest), world_size)
+    missing = [problem for problem, _ in rows if problem is not None]
     if missing:
         if isinstance(failed, BaseException):
             raise failed
@@ -329,7 +387,17 @@ def mark_checkpoint_complete(
     if not writer:
         return None
     path = _marker_path(checkpoint_dir)
-    payload = {"format": _FORMAT, "world_size": world_size, "files": _checkpoint_files(checkpoint_dir, extra_files)}
+    files = _checkpoint_files(checkpoint_dir, extra_files)
+    ranks = range(world_size) if len(rows) == world_size else [rank]
+    known = {
+        _relative(rank_state_path(checkpoint_dir, r, world_size), checkpoint_dir): d for r, (_, d) in zip(ranks, rows)
+    }
+    payload = {
+        "format": _FORMAT,
+        "world_size": world_size,
+        "files": {rel: os.path.getsize(full) for rel, full in files.items()},
+        "sha256": {rel: known.get(rel) or file_sha256(full) for rel, full in files.items()},
+    }
     if step is not None:
         payload["step"] = int(step)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=os.path.dirname(path))
@@ -347,34 +415,31 @@ def mark_checkpoint_complete(
 
 
 def checkpoint_problem(checkpoint_dir: str) -> str | None:
-    """Why ``checkpoint_dir`` cannot be resumed from (no completion marker, a listed file missing or of another size),
-    or ``None`` if it is complete. Reads only the file system."""
-    path = _marker_path(checkpoint_dir)
-    if not os.path.isfile(path):
+    """Why ``checkpoint_dir`` cannot be resumed from (no completion marker, a listed file missing, of another size or
+    with other contents than when it was marked), or ``None`` if it is complete. Reads only the file system: every
+    file the marker lists, once, for its SHA-256."""
+    if not os.path.isfile(_marker_path(checkpoint_dir)):
         return f"no {MARKER}: the job stopped while writing it, or it predates completion markers"
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(_marker_path(checkpoint_dir), encoding="utf-8") as f:
             payload = json.load(f)
     except (OSError, ValueError) as exc:
         return f"its {MARKER} is unreadable ({type(exc).__name__}: {exc})"
     if not isinstance(payload, dict) or payload.get("format") != _FORMAT or not isinstance(payload.get("files"), dict):
         return f"its {MARKER} is not a birder_hf completion marker (format {_FORMAT})"
-    for rel, size in sorted(payload["files"].items()):
-        full = os.path.join(checkpoint_dir, *rel.split("/"))
-        if not os.path.isfile(full):
+    for rel in sorted(payload["files"]):
+        if not os.path.isfile(os.path.join(checkpoint_dir, *rel.split("/"))):
             return f"{rel} is missing"
-        if os.path.getsize(full) != size:
-            return f"{rel} has {os.path.getsize(full)} bytes, {size} when it was marked complete"
+    for rel in sorted(payload["files"]):
+        changed = _changed_since_marked(checkpoint_dir, rel, payload)
+        if changed:
+            return f"{rel} {changed}"
     return None
 
 
 def checkpoint_step(checkpoint_dir: str) -> int | None:
     """The training step recorded in ``checkpoint_dir``'s completion marker (``None``: no marker, or none recorded)."""
-    try:
-        with open(_marker_path(checkpoint_dir), encoding="utf-8") as f:
-            step = json.load(f).get("step")
-    except (OSError, ValueError, AttributeError):
-        return None
+    step = (_read_marker(checkpoint_dir) or {}).get("step")
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
@@ -439,3 +504,91 @@ def check_search_folder(folder: str) -> None:
         what = f"{folder} is a checkpoint, not the folder that holds the checkpoints"
         parent = os.path.dirname(os.path.abspath(folder))
         raise ValueError(explain(what, f"pass its parent ({parent}), or load it directly"))
+
+
+_HELD: dict[str, int] = {}  # real path of a folder -> the open file of the lock this process holds on it
+
+
+def _take_lock(folder: str, wait_for_orphans: float = 60.0) -> str | None:
+    """Take this process's exclusive lock on ``folder`` (``folder/_birder.lock``, ``fcntl.flock``): ``None`` when held
+    (now or already), else why not. The operating system releases it when the process exits, however it exits."""
+    real = os.path.realpath(folder)
+    if real in _HELD:
+        return None
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd = os.open(os.path.join(folder, LOCK), os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as exc:
+        what = f"{folder} is not writable ({type(exc).__name__}: {exc}): the first checkpoint would fail there"
+        return explain(what, "choose a writable output folder (or make this one writable)")
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): no lock
+        _HELD[real] = fd
+        return None
+    deadline = time.monotonic() + wait_for_orphans
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            holder = _lock_holder(fd)
+            # a holder that died on this host leaves the lock to the children it forked (data loader workers) until
+            # they notice: an elastic restart waits for them
+            if _dead_here(holder) and time.monotonic() < deadline:
+                time.sleep(0.5)
+                continue
+            os.close(fd)
+            who = ", ".join(f"{k} {holder[k]}" for k in ("host", "pid", "since", "running") if k in holder)
+            what = f"{folder} is being written by another job ({who or 'unknown'}); two jobs writing one folder "
+            what += "overwrite each other's checkpoints, and a resume then takes whichever wrote last"
+            return explain(what, "give this job its own output folder, or wait for that job to end")
+        except OSError as exc:  # a file system without locks (some network mounts): train on, unguarded
+            os.close(fd)
+            logger.warning("Cannot lock %s (%s): nothing stops a second job from writing there too.", folder, exc)
+            return None
+    holder = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+    holder["running"] = " ".join(sys.argv)[:300]
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+    _HELD[real] = fd
+    return None
+
+
+def _lock_holder(fd: int) -> dict:
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0).decode("utf-8", "replace"))
+    except (OSError, ValueError):
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def _dead_here(holder: dict) -> bool:
+    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+        return False
+    try:
+        os.kill(holder["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def claim_output_dir(folder: str, *, holder: bool | None = None, world_size: int | None = None) -> None:
+    """Claim ``folder`` (where this job writes its checkpoints) for this job, before it trains.
+
+    Call it on every rank; the ``holder`` ranks (default: rank 0; the ranks that write the checkpoints, e.g. each
+    node's first with per-node disks) create the folder if needed and lock ``folder/_birder.lock`` for the life of
+    their process (``fcntl.flock``: released by the operating system however the process ends, so a restart after a
+    crash finds it free). If another live job holds it, or the folder cannot be written, every rank raises
+    ``RuntimeError`` together (one all-gather when ``torch.distributed`` runs ``world_size`` ranks), before anything
+    is written: two jobs writing one folder overwrote each other's checkpoints without a word, and a read-only folder
+    failed only at the first save. Claiming a folder this process holds already is free.
+    """
+    rank, world_size = _rank_and_world(None, world_size)
+    holder = rank == 0 if holder is None else holder
+    mine = _take_lock(folder) if holder else None
+    problems = [f"rank {r}: {p}" if world_size > 1 else p for r, p in enumerate(gather_reports(mine, world_size)) if p]
+    if problems:
+        raise RuntimeError("; ".join(problems))

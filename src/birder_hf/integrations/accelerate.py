@@ -33,6 +33,7 @@ import shutil
 
 from ..base import OneBitOptimizer, explain, unwrap_optimizer
 from ..checkpoint import (
+    claim_output_dir,
     clear_completion_marker,
     find_resumable_checkpoint,
     mark_checkpoint_complete,
@@ -213,10 +214,11 @@ def load_resumable_state(accelerator, checkpoints_dir: str | os.PathLike | None 
             raise ValueError(explain(what, "pass checkpoints_dir=..., or use automatic_checkpoint_naming=True"))
         checkpoints_dir = os.path.join(accelerator.project_dir, "checkpoints")
     folder = os.path.expanduser(os.fspath(checkpoints_dir))
+    _claim(accelerator, folder)
     _check_one_naming(folder)
     path = find_resumable_checkpoint(folder, pattern=_NUMBERED)
     automatic = os.path.join(accelerator.project_dir or "", "checkpoints")
-    if config.automatic_checkpoint_naming and os.path.abspath(folder) == os.path.abspath(automatic):
+    if config.automatic_checkpoint_naming and _same(folder, automatic):
         # rank 0's listing: every rank must name the next checkpoint alike
         last = on_rank_zero(lambda: max((n for n, _ in numbered_checkpoints(folder, _NUMBERED)), default=-1))
         config.iteration = max(config.iteration, last + 1)
@@ -273,6 +275,7 @@ def _mark_saves_complete(accelerator) -> None:
             folder = None if output_dir is None else os.path.expanduser(os.fspath(output_dir))
         if folder is None:
             return original(output_dir, *args, **kwargs)  # accelerate's own error, on every rank
+        _claim(accelerator, os.path.dirname(folder))
         if not automatic:  # (automatic naming refuses an existing folder)
             clear_completion_marker(folder)  # every rank, before it writes: no marker covers a file being rewritten
         # old checkpoints are rotated away after the new one is marked, not before accelerate writes it
@@ -297,6 +300,20 @@ def _mark_saves_complete(accelerator) -> None:
 
     save_state._birder_marks_complete = True
     accelerator.save_state = save_state
+
+
+def _claim(accelerator, checkpoints_dir: str) -> None:
+    # this job's checkpoints folder (automatic naming: the project folder, so that no lock file sits among the
+    # checkpoint folders accelerate lists by number), claimed by the ranks that write there, on every rank together
+    automatic = os.path.join(accelerator.project_dir or "", "checkpoints")
+    if accelerator.project_configuration.automatic_checkpoint_naming and _same(checkpoints_dir, automatic):
+        checkpoints_dir = accelerator.project_dir
+    writer = accelerator.is_local_main_process if accelerator.project_configuration.save_on_each_node else None
+    claim_output_dir(checkpoints_dir or ".", holder=writer, world_size=accelerator.num_processes)
+
+
+def _same(a: str, b: str) -> bool:
+    return os.path.abspath(a) == os.path.abspath(b)
 
 
 def _rotate(parent: str, limit: int) -> None:

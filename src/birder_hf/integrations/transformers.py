@@ -46,6 +46,7 @@ from typing import ClassVar
 
 from ..base import OneBitOptimizer, explain, is_integer, unwrap_optimizer
 from ..checkpoint import (
+    claim_output_dir,
     clear_completion_marker,
     disk_full_error,
     find_resumable_checkpoint,
@@ -316,6 +317,9 @@ class BirderTrainerMixin(ShardedTrainerMixin):
         return super()._load_optimizer_and_scheduler(checkpoint)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        # this job's output_dir, before anything is written there or resumed from it (another job writing it, or a
+        # folder that cannot be written, stops every rank now rather than at the first checkpoint)
+        claim_output_dir(self.args.output_dir, holder=self.args.should_save, world_size=self.args.world_size)
         if resume_from_checkpoint == "auto":  # the newest checkpoint complete on every rank; none: a fresh start
             if self.args.save_only_model:
                 what = "resume_from_checkpoint='auto' with save_only_model=True: those checkpoints hold no optimizer "
