@@ -105,7 +105,7 @@ def test_every_rank_writes_its_state_beside_the_checkpoint_and_it_goes_with_it(r
     out, _ = run
     ckpts = sorted(os.path.basename(p) for p in glob.glob(os.path.join(out, "ckpt", "*")))
     # save_top_k=1 removed epoch 0's checkpoint, and with it its Birder folder
-    assert ckpts == ["epoch=1-step=4.ckpt", "epoch=1-step=4.ckpt.birder"]
+    assert ckpts == ["_birder.lock", "epoch=1-step=4.ckpt", "epoch=1-step=4.ckpt.birder"]  # _birder.lock: the job's
     files = sorted(os.listdir(os.path.join(out, "ckpt", "epoch=1-step=4.ckpt.birder", "birder")))
     assert files == ["rank_00000-of-00002.pt", "rank_00001-of-00002.pt"]
 

@@ -50,6 +50,7 @@ from ..checkpoint import (
     check_search_folder,
     checkpoint_problem,
     checkpoint_step,
+    claim_output_dir,
     clear_completion_marker,
     gather_reports,
     mark_checkpoint_complete,
@@ -291,6 +292,10 @@ class BirderDDPStrategy(DDPStrategy):
         opt = self._one_bit_optimizer_or_none()
         if opt is None or "optimizer_states" not in checkpoint:  # save_weights_only: nothing to resume from
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        # the checkpoint folder is this job's (every rank together: another job writing it stops them all)
+        claim_output_dir(
+            os.path.dirname(os.path.abspath(filepath)), holder=self.is_global_zero, world_size=self.world_size
+        )
         folder = birder_state_dir(filepath)
         clear_completion_marker(folder)  # every rank, before it writes (last.ckpt is rewritten at every save)
         failure = None
