@@ -824,6 +824,40 @@ def _process_group_birder(rank, shape=(3,), **settings):
     opt.step()
 
 
+def _setting_changed_on_one_rank(rank, path, key="lr"):
+    # issue 41: settings were agreed at set-up only; an lr changed on one rank later let the replicas drift apart
+    torch.manual_seed(rank)  # each rank its own data
+    model = torch.nn.Linear(3, 2)
+    torch.nn.init.ones_(model.weight)
+    if path == "ddp-hook":
+        from birder_hf.hook import attach_ddp_hook
+
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        opt = Birder(model.parameters(), lr=0.1, seed=0)
+        attach_ddp_hook(model, opt)
+    else:
+        opt = Birder(model.parameters(), lr=0.1, seed=0, process_group=dist.group.WORLD)
+
+    def step():
+        opt.zero_grad()
+        model(torch.randn(4, 3)).square().sum().backward()
+        opt.step()
+
+    step()
+    if rank == 1:
+        opt.param_groups[0][key] = 0.2
+    before = [p.detach().clone() for p in model.parameters()]
+    steps = [int(s["step"]) for s in opt.state.values()]
+    try:
+        step()
+    except RuntimeError as exc:
+        exc._unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        exc._unchanged &= steps == [int(s["step"]) for s in opt.state.values()]
+        opt.param_groups[0][key] = 0.1 if key == "lr" else 0.0
+        step()  # the refused step left nothing behind: the ranks go on together
+        raise
+
+
 TWO_RANKS = [
     P(
         lambda r: onebit_all_reduce(torch.zeros(8 if r == 0 else 64), topology=Topology.flat(), method="allgather"),
@@ -876,6 +910,18 @@ TWO_RANKS = [
         id="optimizer-side-method-differs",
     ),
     P(_hook_with_lr, "ValueError", ["param group 0 lr: rank 0 0.1, rank 1 0.2", "same"], id="hook-lr-differs"),
+    P(
+        lambda r: _setting_changed_on_one_rank(r, "ddp-hook"),
+        "RuntimeError",
+        ["param group 0's lr differs across the ranks (from 0.1 to 0.2)", "drift apart", "nothing was applied"],
+        id="ddp-hook-lr-changed-on-one-rank-after-set-up",
+    ),
+    P(
+        lambda r: _setting_changed_on_one_rank(r, "process-group", "weight_decay"),
+        "RuntimeError",
+        ["param group 0's weight_decay differs across the ranks (from 0.0 to 0.2)", "on every rank alike"],
+        id="process-group-weight-decay-changed-on-one-rank-after-set-up",
+    ),
     P(
         _bad_process_group_method,
         "ValueError",

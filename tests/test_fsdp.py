@@ -175,15 +175,16 @@ def test_only_packed_bits_and_flags_cross_the_nodes():
         # the first call with new arguments checks the ranks agree on them: one all-gather of 7 int64 per new call
         # signature (numel, method, ...), none on later steps (collectives.check_agreement)
         agreement = [i for i, c in enumerate(crossing) if c[0] == "onebit_all_gather" and c[1] == "torch.int64"]
-        # step 1's agreement: the finite flag and, per parameter, whether any rank used it (6 parameters)
-        verdict = ("all_reduce", "torch.float32", 1 + 6)
+        # step 1's agreement: the finite flag, per parameter whether any rank used it (6 parameters), and the one param
+        # group's lr and weight_decay as (x, -x) pairs (the ranks' largest and smallest: the same on every rank)
+        verdict = ("all_reduce", "torch.float64", 1 + 6 + 2 * 2)
         first_step_ends = crossing.index(verdict)
         assert agreement and max(agreement) < first_step_ends
         assert all(crossing[i][2] == 7 for i in agreement)
         # per step and FSDP unit: one all-gather of the packed bits of this rank's shard (1 bit per element; none
         # for an empty shard)
         assert bits == [("onebit_all_gather", "torch.uint8", -(-n // 8)) for n in shard_numels if n] * 3
-        # and per step one all-reduce of the finite flag and the used flags over every rank: no fp32 gradient crosses
+        # and per step one all-reduce of the flags and settings over every rank: no fp32 gradient crosses
         assert flags == [verdict] * 3
         per_step = sum(expected_bytes("hierarchical", n, (2, 1))["inter_node_bytes"] for n in shard_numels)
         assert stats["comm/inter_node_bytes"] == 3 * per_step and stats["comm/intra_node_bytes"] == 0

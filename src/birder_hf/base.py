@@ -155,6 +155,26 @@ class Communicator:
     def check_plain_step(self) -> None:
         """Called by ``step()`` when no ``GradScaler`` called it: raise if the step needed one."""
 
+    # the settings every rank's update must share (d is the same on every rank; lr and weight_decay turn it into the
+    # update): compared at every step's agreement, which is one element-wise MAX all-reduce
+    _SHARED = ("lr", "weight_decay")
+
+    def shared_settings(self) -> list[float]:
+        """``[x, -x]`` for each param group's lr and weight_decay: after a MAX all-reduce, each pair is the ranks'
+        (largest, -smallest) value, equal on every rank, so every rank judges the same numbers."""
+        return [v for g in self.optimizer.param_groups for k in self._SHARED for v in (float(g[k]), -float(g[k]))]
+
+    def check_shared_settings(self, agreed: list[float]) -> None:
+        """Raise (on every rank alike) if the MAX-reduced :meth:`shared_settings` show a setting differing by rank."""
+        names = [(i, k) for i in range(len(self.optimizer.param_groups)) for k in self._SHARED]
+        for (i, k), high, low in zip(names, agreed[0::2], agreed[1::2]):
+            if high != -low:
+                what = f"param group {i}'s {k} differs across the ranks (from {-low!r} to {high!r}) at this step: "
+                what += "each rank would apply another update and the replicas would drift apart"
+                fix = "set it on every rank alike (the same schedule on every rank, never on one rank only); nothing "
+                fix += "was applied"
+                raise RuntimeError(explain(what, fix))
+
 
 _warned_without_communicator: set[str] = set()
 

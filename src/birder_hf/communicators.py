@@ -48,7 +48,7 @@ def _nonfinite_flag(t: torch.Tensor) -> torch.Tensor:
 
 
 def agree(flags: torch.Tensor, group) -> torch.Tensor:
-    """Element-wise maximum of ``flags`` (float32) over ``group`` (``None``: just this rank): any rank's 1 wins."""
+    """Element-wise maximum of ``flags`` (float64) over ``group`` (``None``: just this rank): any rank's 1 wins."""
     if group is not None:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     return flags
@@ -417,13 +417,14 @@ class HookState(Communicator):
         self._verdict = None
 
     def _local_verdict(self, order: list[torch.Tensor]) -> torch.Tensor:
-        # [this rank saw a non-finite value, then: this rank used it, per parameter of ``order``]
+        # [this rank saw a non-finite value, then: this rank used it, per parameter of ``order``, then the settings
+        # every rank must share (shared_settings)]; the ranks take the element-wise maximum
         if self._flags:
-            bad = torch.stack(self._flags).any().to(torch.float32).reshape(1)
+            bad = torch.stack(self._flags).any().to(torch.float64).reshape(1)
         else:
-            bad = torch.zeros(1, device=next(iter(self._pending)).device)
-        used = [self.marks.is_used(p) for p in order]
-        return torch.cat([bad, torch.tensor(used, dtype=torch.float32).to(bad.device)])
+            bad = torch.zeros(1, dtype=torch.float64, device=next(iter(self._pending)).device)
+        rest = [float(self.marks.is_used(p)) for p in order] + self.shared_settings()
+        return torch.cat([bad, torch.tensor(rest, dtype=torch.float64).to(bad.device)])
 
     def _unused_order(self) -> list[torch.Tensor]:
         # the parameters whose use the ranks agree on: every staged one, in the optimizer's order (the same on
@@ -437,10 +438,10 @@ class HookState(Communicator):
         """DDP's last bucket: ``fut``, its direction NaN on every rank if any rank had a non-finite value; the ranks'
         agreement is queued after ``fut``'s exchange (and every other call on the topology)."""
         flags = self._local_verdict(self._unused_order())
-        self._verdict = flags  # summed over the ranks in place
+        self._verdict = flags  # the ranks' maximum, in place
 
         def start(wire):
-            return wire.all_reduce_sum(flags, "world", flags.element_size())
+            return wire.all_reduce_max(flags, "world")
 
         agreed = launch_in_order(self.topology, Job(Wire(self.topology, None), start, lambda wire, recv: recv))
         both = torch.futures.collect_all([fut, agreed])
@@ -536,6 +537,11 @@ class HookState(Communicator):
             if agreed[0] != 0:
                 self._skip()
                 return None
+            try:
+                self.check_shared_settings(agreed[1 + len(order) :])
+            except RuntimeError:
+                self._close_step()  # dropped on every rank: the next backward starts clean
+                raise
             unused = [p for p, used in zip(order, agreed[1:]) if used == 0]
         pending = self._close_step()
         unseen = [
@@ -725,12 +731,11 @@ class StepAllReduce(Communicator):
         opt = self.optimizer
         params = [p for g in opt.param_groups for p in g["params"]]
         grads = {p: p.grad for gg in opt.gradients() for p in gg.params}
-        flags = torch.zeros(1 + len(params), dtype=torch.float32)
-        flags[0] = 0.0 if all_finite(list(grads.values())) else 1.0
+        # ... then the settings every rank must share (shared_settings)
         usage = self.usage
-        flags[1:] = torch.tensor(
-            [p in grads and (usage is None or usage.is_used(p)) for p in params], dtype=torch.float32
-        )
+        used = [float(p in grads and (usage is None or usage.is_used(p))) for p in params]
+        finite = all_finite(list(grads.values()))
+        flags = torch.tensor([0.0 if finite else 1.0, *used, *self.shared_settings()], dtype=torch.float64)
         dev = params[0].device if params else torch.device("cpu")
         return agree(flags.to(dev), self.agree_group).cpu()
 
@@ -822,6 +827,7 @@ class StepAllReduce(Communicator):
             return None
         if self.usage is not None:
             self.usage.clear()
+        self.check_shared_settings(flags[1 + len(params) :].tolist())
         scale = getattr(opt, "grad_scale", None) if scaled else None  # None: un-scaled already (scaler.unscale_)
         scale = 1.0 if scale is None else float(scale)
         used = {p for p, f in zip(params, flags[1:].tolist()) if f}

@@ -154,6 +154,13 @@ class Wire:
         self._count(scope, size, per_peer)
         return buf, dist.all_reduce(buf, group=group, async_op=True)
 
+    def all_reduce_max(self, buf: torch.Tensor, scope: str):
+        """Start an in-place element-wise maximum all-reduce of ``buf`` (the ranks' agreement: not counted)."""
+        group, size = self._scope(scope)
+        if size == 1:
+            return buf, DONE
+        return buf, dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group, async_op=True)
+
     def all_gather_sync(self, inp: torch.Tensor, scope: str) -> torch.Tensor:
         out, work = self.all_gather(inp, scope)
         work.wait()
