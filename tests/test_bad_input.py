@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -856,6 +857,29 @@ def _setting_changed_on_one_rank(rank, path, key="lr"):
         opt.param_groups[0][key] = 0.1 if key == "lr" else 0.0
         step()  # the refused step left nothing behind: the ranks go on together
         raise
+
+
+def _process_group_warnings(rank, world, wrapped):
+    torch.manual_seed(rank)  # each rank its own data
+    model = torch.nn.Linear(3, 2)
+    torch.nn.init.ones_(model.weight)
+    opt = Birder(model.parameters(), lr=0.1, seed=0, process_group=dist.group.WORLD)
+    net = torch.nn.parallel.DistributedDataParallel(model) if wrapped else model
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            opt.zero_grad()
+            net(torch.randn(4, 3)).square().sum().backward()
+            opt.step()
+    return [str(w.message) for w in caught if "same gradients on every rank" in str(w.message)]
+
+
+def test_birder_with_a_process_group_on_a_ddp_model_without_the_hook_is_named_once():
+    # issue 41: DDP all-reduced the gradients in fp32 and step() exchanged them again at 1 bit, without a word
+    for said in run_distributed(_process_group_warnings, 2, True, timeout=60):
+        assert len(said) == 1 and "a DDP model without the Birder hook?" in said[0], said
+        assert "register the hook (attach_ddp_hook, register_birder_hook or BirderTrainer)" in said[0]
+    assert run_distributed(_process_group_warnings, 2, False, timeout=60) == [[], []]  # its own gradients: silent
 
 
 TWO_RANKS = [

@@ -720,6 +720,7 @@ class StepAllReduce(Communicator):
         self.stats = CommStats()
         self._verdict: torch.Tensor | None = None  # agreed when a GradScaler asked, for the step() it calls next
         self._poisoned: tuple | None = None  # the gradients amp_scaling filled with NaN (a skipped step)
+        self._compare_gradients = True  # at the first step: gradients the same on every rank mean DDP averaged them
 
     def detach(self) -> None:
         if self.usage is not None:
@@ -736,6 +737,9 @@ class StepAllReduce(Communicator):
         used = [float(p in grads and (usage is None or usage.is_used(p))) for p in params]
         finite = all_finite(list(grads.values()))
         flags = torch.tensor([0.0 if finite else 1.0, *used, *self.shared_settings()], dtype=torch.float64)
+        if self._compare_gradients:  # and a fingerprint of this rank's gradients, as (x, -x)
+            x = sum(float(local_tensor(g).double().sum()) for g in grads.values())
+            flags = torch.cat([flags, torch.tensor([x, -x], dtype=torch.float64)])
         dev = params[0].device if params else torch.device("cpu")
         return agree(flags.to(dev), self.agree_group).cpu()
 
@@ -827,7 +831,18 @@ class StepAllReduce(Communicator):
             return None
         if self.usage is not None:
             self.usage.clear()
-        self.check_shared_settings(flags[1 + len(params) :].tolist())
+        shared = flags[1 + len(params) :].tolist()
+        if self._compare_gradients:
+            self._compare_gradients = False
+            shared, (high, low) = shared[:-2], shared[-2:]
+            if high == -low != 0 and self.topology.world_size > 1:
+                what = "Birder(process_group=...) got the same gradients on every rank at its first step: a DDP model "
+                what += "without the Birder hook? DDP all-reduced them in fp32 already, and step() exchanges them "
+                what += "again at 1 bit, every step"
+                fix = "register the hook (attach_ddp_hook, register_birder_hook or BirderTrainer) and build Birder "
+                fix += "without process_group=, or train the model without the DDP wrapper"
+                warnings.warn(explain(what, fix), UserWarning, stacklevel=4)
+        self.check_shared_settings(shared)
         scale = getattr(opt, "grad_scale", None) if scaled else None  # None: un-scaled already (scaler.unscale_)
         scale = 1.0 if scale is None else float(scale)
         used = {p for p, f in zip(params, flags[1:].tolist()) if f}
