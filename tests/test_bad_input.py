@@ -859,6 +859,32 @@ def _setting_changed_on_one_rank(rank, path, key="lr"):
         raise
 
 
+class _UnusedLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def _ddp_with_an_unused_layer(rank):
+    # issue 41: the error blamed the optimizer's parameter list; DDP held back the bucket of the unused layer
+    from birder_hf.hook import attach_ddp_hook
+
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(_UnusedLayer(), find_unused_parameters=False)
+    opt = Birder(model.parameters(), lr=0.1)
+    attach_ddp_hook(model, opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.randn(4, 3)).sum().backward()
+    try:
+        opt.step()
+    except RuntimeError as exc:
+        exc._unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters())) and not opt.state
+        raise
+
+
 def _process_group_warnings(rank, world, wrapped):
     torch.manual_seed(rank)  # each rank its own data
     model = torch.nn.Linear(3, 2)
@@ -932,6 +958,12 @@ TWO_RANKS = [
         "ValueError",
         ["method: rank 0 scatter_gather, rank 1 allgather"],
         id="optimizer-side-method-differs",
+    ),
+    P(
+        _ddp_with_an_unused_layer,
+        "RuntimeError",
+        ["2 parameter(s) had no gradient", "pass find_unused_parameters=True", "Nothing was applied"],
+        id="ddp-unused-layer-without-find-unused-parameters",
     ),
     P(_hook_with_lr, "ValueError", ["param group 0 lr: rank 0 0.1, rank 1 0.2", "same"], id="hook-lr-differs"),
     P(

@@ -551,7 +551,13 @@ class HookState(Communicator):
             p = unseen[0]
             what = f"A parameter of shape {tuple(p.shape)} has a gradient but {self.hook_name} did not see it"
             fix = f"optimize only parameters of {self.wrapped_name} the hook is registered on"
-            raise RuntimeError(explain(what, fix))
+            without = sum(q.grad is None for g in self.optimizer.param_groups for q in g["params"])
+            if without and self.wrapped_name == "the DDP model":  # the likelier cause: DDP held the bucket back
+                what += f", and {without} parameter(s) had no gradient in this backward: DDP with "
+                what += "find_unused_parameters=False never hands a bucket that holds an unused parameter to the hook"
+                fix = "pass find_unused_parameters=True (TrainingArguments(ddp_find_unused_parameters=True), "
+                fix += "accelerate's DistributedDataParallelKwargs), or leave the unused layers out of the model"
+            raise RuntimeError(explain(what, fix + ". Nothing was applied"))
         for p in unused:  # no rank computed a gradient for it: no step, as for a gradient of None
             del pending[p]
         if pending:
