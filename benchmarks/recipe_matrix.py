@@ -165,6 +165,7 @@ def main(argv=None) -> int:
                              "worst": (min if higher else max)(values),
                              "curves": {s: r["train_loss"] for s, r in finals.items()}}  # fmt: skip
     stem = args.results / f"recipe_matrix_{args.task}{args.tag}"
+    args.results.mkdir(parents=True, exist_ok=True)
     Path(f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
     report(res, stem)
     print(Path(f"{stem}.md").read_text())

@@ -7,7 +7,9 @@
   ``"no"``, and a ``--save_steps`` that wrote nothing left ``--resume_from_checkpoint auto`` (an elastic restart)
   starting from step 0;
 - ``--learning_rate``, ``--warmup_steps`` and ``--weight_decay`` must be finite numbers >= 0 (``nan`` reached the
-  scheduler and failed there with a traceback).
+  scheduler and failed there with a traceback);
+- ``--output_dir`` and ``--cache_dir`` must be folders this job can write (an unwritable one failed with a traceback
+  while the data was prepared, or at the first checkpoint).
 """
 
 from __future__ import annotations
@@ -41,4 +43,19 @@ def parse_recipe_args(dataclass_types: tuple, argv: list[str], defaults: dict) -
         value = getattr(training_args, name)
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
             raise ValueError(f"--{name} must be a finite number >= 0, got {value!r}.")
+    check_writable(training_args.output_dir, "--output_dir")
+    for args in parsed:
+        if getattr(args, "cache_dir", None):
+            check_writable(args.cache_dir, "--cache_dir")
     return parsed
+
+
+def check_writable(folder: str, flag: str) -> None:
+    """Refuse a folder this job could not create or write, by its nearest existing ancestor (nothing is created)."""
+    path = os.path.abspath(folder)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        raise ValueError(f"{flag} {folder}: {path} is a file; choose a folder this job can write.")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {folder}: {path} is not writable; choose a folder this job can write.")

@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -113,6 +114,15 @@ def test_recipe_arguments_save_steps_alone_writes_checkpoints_and_numbers_are_fi
     for flag in ("--warmup_steps", "--learning_rate", "--weight_decay"):  # nan failed later, with a traceback
         with pytest.raises(ValueError, match=f"{flag} must be a finite number >= 0, got nan"):
             recipe.parse_args([flag, "nan"])
+    # an unwritable folder failed with a traceback while the data was prepared, or at the first checkpoint
+    flags = ["--output_dir"] + (["--cache_dir"] if name == "causal_lm" else [])
+    with tempfile.NamedTemporaryFile() as file:
+        for flag in flags:
+            with pytest.raises(ValueError, match=f"{flag} {file.name}/sub: {file.name} is a file; choose a folder"):
+                recipe.parse_args([flag, f"{file.name}/sub"])
+    if os.path.isdir("/proc/sys") and not os.access("/proc/sys", os.W_OK):  # a read-only mount (even for root)
+        with pytest.raises(ValueError, match="--output_dir /proc/sys/birder: /proc/sys is not writable"):
+            recipe.parse_args(["--output_dir", "/proc/sys/birder"])
 
 
 def test_bert_recipe_baseline_and_bad_arguments(tmp_path):
