@@ -39,8 +39,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from embedded_data import write_digits_image_folder  # noqa: E402
 
 from birder_hf import Birder, OneBitAdam, Topology  # noqa: E402
+from birder_hf.checkpoint import claim_output_dir  # noqa: E402
 from birder_hf.collectives import check_settings, release_process_groups  # noqa: E402
-from birder_hf.integrations.accelerate import check_really_distributed, register_birder_hook  # noqa: E402
+from birder_hf.integrations.accelerate import (  # noqa: E402
+    check_really_distributed,
+    load_resumable_state,
+    register_birder_hook,
+)
 from birder_hf.model_card import model_card_section  # noqa: E402
 
 logger = logging.getLogger("resnet50")
@@ -74,7 +79,12 @@ class Args:
     chunk_numel: int | None = field(default=None, metadata={"help": "The official code's --all_gather_by_chunks."})
     save_every_epochs: int = field(default=1, metadata={"help": "Checkpoint every this many epochs (0: never)."})
     logging_steps: int = field(default=10, metadata={"help": "Record the training loss every this many steps."})
-    resume_from_checkpoint: str | None = field(default=None, metadata={"help": "A checkpoint-<step> folder."})
+    resume_from_checkpoint: str | None = field(
+        default=None,
+        metadata={
+            "help": "A checkpoint-<step> folder, or auto: the newest one of --output_dir complete on every rank."
+        },
+    )
     seed: int = field(default=42, metadata={"help": "Seed of everything (data order, init, Birder's bits)."})
     workers: int = field(default=0, metadata={"help": "DataLoader workers per process."})
     push_to_hub: bool = field(default=False, metadata={"help": "Upload the final model folder (needs the Hub)."})
@@ -191,7 +201,8 @@ def train(args):
     optimizer = build_optimizer(args, model)
     model, optimizer, train_loader, val_loader = accelerator.prepare(model, optimizer, train_loader, val_loader)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, len(train_loader), args))
-    accelerator.register_for_checkpointing(scheduler)
+    progress = Progress()
+    accelerator.register_for_checkpointing(scheduler, progress)  # inside save_state: before the completion marker
     hook_state = None
     if args.optimizer in ("birder", "onebitadam"):  # the 1-bit hook (and per-rank state in save/load_state)
         topology = None
@@ -216,11 +227,17 @@ def train(args):
 
     steps_per_epoch = len(train_loader)
     total_steps = args.epochs * steps_per_epoch if args.max_steps is None else args.max_steps
-    step = 0
-    if args.resume_from_checkpoint:
+    # this job's output_dir (another job writing it, or a folder it cannot write, stops every rank now)
+    claim_output_dir(args.output_dir, world_size=accelerator.num_processes)
+    if args.resume_from_checkpoint == "auto":  # an elastic restart: the newest complete checkpoint, or a fresh start
+        if hook_state is None:
+            what = f"--resume_from_checkpoint auto with --optimizer {args.optimizer}: only Birder's checkpoints carry "
+            what += "completion markers"
+            raise ValueError(f"{what}; pass the checkpoint folder itself.")
+        load_resumable_state(accelerator, args.output_dir)
+    elif args.resume_from_checkpoint:
         accelerator.load_state(args.resume_from_checkpoint)
-        with open(os.path.join(args.resume_from_checkpoint, "recipe_state.json")) as f:
-            step = json.load(f)["step"]
+    step = progress.step
     history, steps_log, loss_sum, loss_n, window = [], [], 0.0, 0, []
     bar = tqdm(total=total_steps, initial=step, disable=not accelerator.is_main_process, desc="train")
     model.train()
@@ -257,20 +274,26 @@ def train(args):
                 loss_sum, loss_n = 0.0, 0
                 logger.info("epoch %.2f: %s", record["epoch"], json.dumps(record))
                 if args.save_every_epochs and step % (args.save_every_epochs * steps_per_epoch) == 0:
-                    save_checkpoint(accelerator, args, step)
+                    progress.step = step
+                    accelerator.save_state(os.path.join(args.output_dir, f"checkpoint-{step}"))
             if step >= total_steps:
                 break
     bar.close()
     return finish(accelerator, args, model, optimizer, history, hook_state, steps_log)
 
 
-def save_checkpoint(accelerator, args, step):
-    path = os.path.join(args.output_dir, f"checkpoint-{step}")
-    accelerator.save_state(path)  # model, rank 0's optimizer, scheduler, RNGs; Birder: every rank's own state
-    if accelerator.is_main_process:
-        with open(os.path.join(path, "recipe_state.json"), "w") as f:
-            json.dump({"step": step}, f)
-    accelerator.wait_for_everyone()
+class Progress:
+    """The training step, saved by ``accelerator.save_state`` beside the model, rank 0's optimizer, the scheduler and
+    the RNGs (Birder: every rank's own state), so inside the checkpoint its completion marker covers."""
+
+    def __init__(self):
+        self.step = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
 
 
 def finish(accelerator, args, model, optimizer, history, hook_state, steps_log=()):

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -187,6 +188,20 @@ def test_resnet_recipe_through_accelerate_launch(tmp_path):
         "rank_00000-of-00002.pt",
         "rank_00001-of-00002.pt",
     ]
+    # the step is saved inside save_state, so the completion marker covers it (recipe_state.json came after it), and
+    # --resume_from_checkpoint auto resumes from the newest complete checkpoint
+    marker = json.load(open(os.path.join(out, "checkpoint-44", "birder_complete.json")))
+    assert "custom_checkpoint_1.pkl" in marker["files"]
+    shutil.rmtree(os.path.join(out, "checkpoint-44"))  # the job was killed before its second epoch's checkpoint
+    log = _run(
+        ["accelerate", "launch", "--config_file", "accelerate_configs/cpu.yaml", "--num_processes", "2",
+         "--main_process_port", str(_free_port()), "recipes/resnet50.py", "--model", "resnet18", "--epochs", "2",
+         "--batch_size", "32", "--output_dir", out, "--resume_from_checkpoint", "auto"],
+        ACCELERATE_USE_CPU="1",
+    )  # fmt: skip
+    assert f"Resuming from {out}/checkpoint-22" in log
+    resumed = json.load(open(os.path.join(out, "all_results.json")))
+    assert [e["step"] for e in resumed["epochs"]] == [44]  # only the second epoch ran
 
 
 LM_TINY = [
