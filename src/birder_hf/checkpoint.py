@@ -209,7 +209,7 @@ def read_rank_state(
     path = rank_state_path(checkpoint_dir, source, saved_world)
     if not os.path.exists(path):
         raise FileNotFoundError(f"Birder state {path} is missing (an incomplete checkpoint of {saved_world} ranks).")
-    changed = _changed_since_marked(checkpoint_dir, os.path.relpath(path, checkpoint_dir).replace(os.sep, "/"))
+    changed = _changed_since_marked(checkpoint_dir, _relative(path, checkpoint_dir))
     if changed:
         raise RuntimeError(f"Birder state {path} {changed}: resume from another checkpoint, or save this one again.")
     try:
