@@ -363,3 +363,39 @@ def test_recipe_matrix_reports_median_and_worst_seed_per_cell(tmp_path):
     assert res["cells"]["1x2"].keys() == {"birder"} and res["cells"]["2x2"] == {}
     assert "| 1x2 | 2 | 3 | 50.0 / 40.0 |  |" in (tmp_path / "recipe_matrix_qa.md").read_text()
     assert (tmp_path / "recipe_matrix_qa.png").stat().st_size > 0
+
+
+def test_update_rule_ablation_runs_adams_rule_through_birders_step():
+    # benchmarks/update_rule_ablation.py's claim: its "adam" variant, swapped into Birder's encoder and stepped with
+    # d = u, is torch.optim.Adam (no weight decay), and "adam-bounded" is that direction clipped to [-1, 1]
+    import torch
+
+    import birder_hf.optim
+    from birder_hf import Birder
+
+    ablation = _load("update_rule_ablation")
+    original = birder_hf.optim.birder_encode
+    torch.manual_seed(0)
+    # gradients that grow after a long quiet history: Adam's v remembers the quiet steps, so it steps beyond lr
+    base = torch.randn(5, 3)
+    grads = [base * (0.1 if t < 50 else 1.0) + 0.01 * torch.randn(5, 3) for t in range(60)]
+    try:
+        for bounded in (False, True):
+            birder_hf.optim.birder_encode = ablation._adam_encode(bounded=bounded)
+            ours, ref = torch.nn.Parameter(torch.ones(5, 3)), torch.nn.Parameter(torch.ones(5, 3))
+            opt = Birder([ours], lr=0.01, quantize=False, weight_decay=0.0)
+            adam = torch.optim.Adam([ref], lr=0.01, betas=(0.9, 0.999), eps=1e-8)
+            largest = 0.0
+            for g in grads:
+                before = ours.detach().clone()
+                ours.grad, ref.grad = g.clone(), g.clone()
+                opt.step()
+                adam.step()
+                largest = max(largest, float((ours.detach() - before).abs().max()) / 0.01)
+            if bounded:
+                assert largest == pytest.approx(1.0) and not torch.allclose(ours, ref, rtol=1e-4)
+            else:
+                assert largest > 1.5  # a step beyond lr, which Birder's |u| <= 1 never takes
+                torch.testing.assert_close(ours.detach(), ref.detach(), rtol=1e-6, atol=1e-7)
+    finally:
+        birder_hf.optim.birder_encode = original
