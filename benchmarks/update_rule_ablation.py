@@ -92,7 +92,7 @@ def main(argv=None) -> dict:
     command = "python benchmarks/update_rule_ablation.py --seeds " + " ".join(map(str, args.seeds))
     command += f" --variants {' '.join(args.variants)}" + (f" --tag {args.tag}" if args.tag else "")
     res = {"command": command,
-           "metric": "eval_perplexity", "seeds": args.seeds, "lr": VARIANTS, "cells": {}}  # fmt: skip
+           "metric": "eval_perplexity", "seeds": args.seeds, "cells": {}}  # fmt: skip
     for variant in args.variants:
         finals = {}
         for seed in args.seeds:
@@ -105,7 +105,8 @@ def main(argv=None) -> dict:
                 subprocess.run([sys.executable, __file__, "--_child", variant, *recipe], env=env, check=True)
             finals[seed] = json.loads((out / "all_results.json").read_text())["eval_perplexity"]
         values = list(finals.values())
-        res["cells"][variant] = {"final": finals, "median": statistics.median(values), "worst": max(values)}
+        res["cells"][variant] = {"lr": float(VARIANTS[variant]), "final": finals, "median": statistics.median(values),
+                                 "worst": max(values)}  # fmt: skip
     args.results.mkdir(parents=True, exist_ok=True)
     stem = args.results / f"update_rule_ablation_lm{args.tag}"
     Path(f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
