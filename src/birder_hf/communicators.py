@@ -292,8 +292,8 @@ class HookState(Communicator):
         self._pending: dict[torch.Tensor, Staged] = {}
         self._flags: list[torch.Tensor] = []
         self.in_flight: list[torch.futures.Future] = []
-        # this backward's agreement, summed over the ranks: [non-finite, then with skip_unused: used, per parameter
-        # in the optimizer's order]
+        # this backward's agreement, the ranks' element-wise maximum: [non-finite, then with skip_unused: used, per
+        # parameter in the optimizer's order, then each param group's (lr, -lr, weight_decay, -weight_decay)]
         self._verdict: torch.Tensor | None = None
         self.stats, self.last_step_stats, self.step_stats = CommStats(), CommStats(), CommStats()
         self.steps_communicated = self.skipped_steps = 0
