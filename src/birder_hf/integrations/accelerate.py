@@ -290,7 +290,7 @@ def _mark_saves_complete(accelerator) -> None:
         finally:
             if limit is not None:
                 config.total_limit = limit
-        writer = accelerator.is_local_main_process if config.save_on_each_node else accelerator.is_main_process
+        writer = _writes_checkpoints(accelerator)
         mark_checkpoint_complete(
             folder, rank=accelerator.process_index, world_size=accelerator.num_processes, write=writer, failed=failure
         )
@@ -308,8 +308,14 @@ def _claim(accelerator, checkpoints_dir: str) -> None:
     automatic = os.path.join(accelerator.project_dir or "", "checkpoints")
     if accelerator.project_configuration.automatic_checkpoint_naming and _same(checkpoints_dir, automatic):
         checkpoints_dir = accelerator.project_dir
-    writer = accelerator.is_local_main_process if accelerator.project_configuration.save_on_each_node else None
-    claim_output_dir(checkpoints_dir or ".", holder=writer, world_size=accelerator.num_processes)
+    holder = _writes_checkpoints(accelerator)
+    claim_output_dir(checkpoints_dir or ".", holder=holder, world_size=accelerator.num_processes)
+
+
+def _writes_checkpoints(accelerator) -> bool:
+    # the ranks whose disk accelerate's save_state writes to: each node's first with save_on_each_node, else rank 0
+    on_each_node = accelerator.project_configuration.save_on_each_node
+    return accelerator.is_local_main_process if on_each_node else accelerator.is_main_process
 
 
 def _same(a: str, b: str) -> bool:
