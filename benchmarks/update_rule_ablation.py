@@ -10,6 +10,7 @@ Variants (``--learning_rate`` each: the recipe's Birder default, AdamW's default
 - ``adam`` (2e-3): ``u = m_hat / (sqrt(v_hat) + 1e-8)``, beta1 0.9, beta2 0.999, bias-corrected: Adam's direction
   (through Birder's step it equals the recipe's AdamW run without gradient clipping: ``--max_grad_norm 0``);
 - ``adam-bounded`` (2e-3): the same, clipped to ``[-1, 1]`` per coordinate, the bound Birder's vote needs;
+- ``adam-bounded-b2_X``: ``adam-bounded`` with beta2 = X (a shorter memory of g**2 instead of the clip);
 - ``...-clip``: each of them with the gradient clipped to a global norm of 1 before the step, as the Trainer does for
   AdamW (``max_grad_norm=1.0``; ``BirderTrainer`` turns it off, since under the hook ``.grad`` holds the direction).
 
@@ -31,10 +32,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {"birder": "5e-4", "adam": "2e-3", "adam-bounded": "2e-3", "birder-clip": "5e-4", "adam-clip": "2e-3",
-            "adam-bounded-clip": "2e-3"}  # fmt: skip
+            "adam-bounded-clip": "2e-3", "adam-bounded-b2_0.99": "2e-3", "adam-bounded-b2_0.95": "2e-3",
+            "adam-bounded-lagclip": "2e-3", "adam-bounded-tclip": "2e-3",
+            "birder-tclip": "5e-4"}  # fmt: skip
 
 
-def _adam_encode(bounded: bool):
+def _adam_encode(bounded: bool, beta2: float = 0.999):
     steps: dict[int, int] = {}
 
     def encode(
@@ -47,8 +50,8 @@ def _adam_encode(bounded: bool):
             g = g.float() / grad_scale
             t = steps[id(m)] = steps.get(id(m), 0) + 1
             m.mul_(0.9).add_(g, alpha=0.1)
-            v.mul_(0.999).add_(g * g, alpha=0.001)
-            u = (m / (1 - 0.9**t)) / ((v / (1 - 0.999**t)).sqrt() + 1e-8)
+            v.mul_(beta2).add_(g * g, alpha=1 - beta2)
+            u = (m / (1 - 0.9**t)) / ((v / (1 - beta2**t)).sqrt() + 1e-8)
             us.append(u.clamp_(-1, 1) if bounded else u)
         return us
 
@@ -61,11 +64,44 @@ def _run_recipe(variant: str, recipe_args: list[str]) -> None:
 
     import birder_hf.optim
 
-    rule = variant.removesuffix("-clip")
+    birder_encode = birder_hf.optim.birder_encode
+
+    rule, _, beta2 = variant.removesuffix("-clip").partition("-b2_")
     if rule != "birder":
-        birder_hf.optim.birder_encode = _adam_encode(bounded=rule == "adam-bounded")
+        birder_hf.optim.birder_encode = _adam_encode(rule == "adam-bounded", float(beta2 or 0.999))
+    step = birder_hf.optim.Birder.step
+    if variant.endswith("-lagclip"):  # clipped by the previous step's global norm (what a bucket-wise hook knows)
+        rule = variant.removesuffix("-lagclip")
+        birder_hf.optim.birder_encode = _adam_encode(True)
+        last = [0.0]
+
+        def lag_clipped_step(self, *args, **kwargs):
+            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+            norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+            if last[0] > 1.0:
+                torch._foreach_mul_(grads, 1.0 / last[0])
+            last[0] = norm
+            return step(self, *args, **kwargs)
+
+        birder_hf.optim.Birder.step = lag_clipped_step
+    if variant.endswith("-tclip"):  # each tensor's gradient clipped to its share of a global norm of 1
+        if variant.startswith("adam-bounded"):
+            birder_hf.optim.birder_encode = _adam_encode(True)
+        else:
+            birder_hf.optim.birder_encode = birder_encode
+
+        def tensor_clipped_step(self, *args, **kwargs):
+            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+            total = sum(g.numel() for g in grads)
+            for g in grads:
+                bound = (g.numel() / total) ** 0.5
+                norm = float(torch.linalg.vector_norm(g))
+                if norm > bound:
+                    g.mul_(bound / norm)
+            return step(self, *args, **kwargs)
+
+        birder_hf.optim.Birder.step = tensor_clipped_step
     if variant.endswith("-clip"):  # the gradient clipped to a global norm of 1 before the step, as the Trainer does
-        step = birder_hf.optim.Birder.step
 
         def clipped_step(self, *args, **kwargs):
             grads = [p for g in self.param_groups for p in g["params"] if p.grad is not None]

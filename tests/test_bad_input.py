@@ -384,6 +384,18 @@ ROWS = [
         id="args-beta-str",
     ),
     P(
+        lambda e: _birder_arguments(beta2=1.0),
+        ValueError,
+        ["beta2=1.0", "None or a float in [0, 1)"],
+        id="args-beta2-one",
+    ),
+    P(
+        lambda e: Birder([_param()], grad_clip=-1.0),
+        ValueError,
+        ["grad_clip=-1.0", "None or a finite float > 0"],
+        id="birder-grad-clip-negative",
+    ),
+    P(
         lambda e: _adamw_state(e, OneBitAdam, freeze_step=2),
         ValueError,
         ["torch.optim.Adam/AdamW", "OneBitAdam", "load only the model's weights"],

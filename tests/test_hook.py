@@ -29,10 +29,10 @@ def _topology(world):
     return Topology.from_layout(2, 2) if world == 4 else Topology.flat()
 
 
-def _train_hook(rank, world, method, steps, ddp_kwargs, dtype=torch.float32, accumulate=1, nan_at=None):
+def _train_hook(rank, world, method, steps, ddp_kwargs, dtype=torch.float32, accumulate=1, nan_at=None, **opt_kw):
     model = _model(dtype)
     ddp = DDP(model, bucket_cap_mb=0.002, **ddp_kwargs)  # several buckets, rebuilt after step 1
-    opt = Birder(model.parameters(), lr=0.02, beta=0.9, weight_decay=0.01, seed=5)
+    opt = Birder(model.parameters(), lr=0.02, beta=0.9, weight_decay=0.01, seed=5, **opt_kw)
     state = BirderHookState(opt, topology=_topology(world), method=method)
     ddp.register_comm_hook(state, birder_hook)
     losses = []
@@ -54,13 +54,14 @@ def _train_hook(rank, world, method, steps, ddp_kwargs, dtype=torch.float32, acc
     return _snapshot(model, opt), losses, state.stats.as_dict(), state.skipped_steps
 
 
-def _train_reference(rank, world, method, steps, dtype=torch.float32, accumulate=1, skip=()):
+def _train_reference(rank, world, method, steps, dtype=torch.float32, accumulate=1, skip=(), **opt_kw):
     # No DDP: each rank computes its local gradient and Birder(topology=...) runs the 1-bit all-reduce
     # in step(); the bits are keyed per parameter, so this must equal the hook under any bucket layout.
     model = _model(dtype)
     opt = Birder(
-        model.parameters(), lr=0.02, beta=0.9, weight_decay=0.01, seed=5, topology=_topology(world), method=method
-    )
+        model.parameters(), lr=0.02, beta=0.9, weight_decay=0.01, seed=5, topology=_topology(world), method=method,
+        **opt_kw,
+    )  # fmt: skip
     for t in range(steps):
         for micro in range(accumulate):
             x, y = _batch(rank, t * accumulate + micro, dtype)
@@ -74,7 +75,8 @@ def _train_reference(rank, world, method, steps, dtype=torch.float32, accumulate
 def _snapshot(model, opt):
     params = [p.detach().clone() for p in model.parameters()]
     ms = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
-    bs = [opt.state[p]["exp_avg_abs"].clone() for p in model.parameters()]
+    second = "exp_avg_abs" if opt.defaults["beta2"] is None else "exp_avg_sq"
+    bs = [opt.state[p][second].clone() for p in model.parameters()]
     steps = [int(opt.state[p]["step"]) for p in model.parameters()]
     return params, ms, bs, steps
 
@@ -102,6 +104,23 @@ def test_hook_replicas_identical_and_equal_to_the_unbucketed_reference(method, w
     assert not _equal(res[0][0][1], res[1][0][1])  # and those differ between ranks
     assert sum(losses0[-5:]) < 0.3 * sum(losses0[:5])  # it learns
     assert stats0["comm/calls"] >= 50 and stats0["comm/compression_ratio"] > 8
+
+
+def test_hook_with_the_second_moment_and_tensor_clipping_equals_the_unbucketed_reference():
+    # beta2= and grad_clip= (issue 38's candidates): the hook encodes bucket by bucket, each tensor clipped to its own
+    # share of the norm, so bucketing changes no bit here either
+    opt_kw = dict(beta2=0.99, grad_clip=0.05, amsgrad=True)
+
+    def fn(rank, world):
+        hooked, losses, _, _ = _train_hook(rank, world, "hierarchical", 30, {}, **opt_kw)
+        return hooked, losses, _train_reference(rank, world, "hierarchical", 30, **opt_kw)
+
+    res = run_distributed(fn, 4)
+    (params0, *_), losses0, _ = res[0]
+    for (params, ms, vs, steps), _, (rparams, rms, rvs, rsteps) in res:
+        assert _equal(params, params0) and _equal(params, rparams)
+        assert _equal(ms, rms) and _equal(vs, rvs) and steps == rsteps == [30] * len(steps)
+    assert sum(losses0[-5:]) < 0.5 * sum(losses0[:5])  # it learns
 
 
 def test_gradient_accumulation_with_no_sync():

@@ -16,6 +16,9 @@ Deviations from the paper (its full text and code were not available to us; ``do
   update, ``stale="keep"``, lets it drift by ``lr`` per step forever). ``docs/ALGORITHM.md`` has the bounds and the
   measurements behind the default.
 - Steps with a non-finite gradient are skipped (state and parameters untouched) with a warning.
+- ``beta2=`` and ``grad_clip=`` (ours, opt-in, issue 38's candidates; ``docs/ALGORITHM.md``): a second-moment
+  direction ``clip(m_hat / (sqrt(v_hat) + eps), -1, 1)`` in place of ``m / b``, and each rank's gradient clipped per
+  tensor before it is encoded. Off by default: the paper's update is the default until the quality matrix decides.
 
 The optimizer *encodes* (``m, b -> u``) and *applies* (``x <- x - lr (d + wd x)``); turning every rank's ``u``
 into ``d`` is the job of its communicator (``birder_hf.base``, ``docs/ARCHITECTURE.md``). This module imports
@@ -74,6 +77,11 @@ def stale_from_lazy(stale: str | None, lazy) -> str | None:
     return "lazy" if lazy else "keep"
 
 
+def second_moment_keys(group: dict) -> tuple[str, str]:
+    """The state keys of a param group's second moment and its max: ``b`` (the paper's ``beta2=None``) or ``v``."""
+    return ("exp_avg_abs", "max_exp_avg_abs") if group.get("beta2") is None else ("exp_avg_sq", "max_exp_avg_sq")
+
+
 # u = m / max(b, _TINY): equals m / b wherever b is a normal float32, and 0 where b = 0 (then m = 0).
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -93,6 +101,20 @@ class Birder(OneBitOptimizer):
 
     Every step moves each coordinate by at most :math:`\eta (1 + \lambda |x|)`. There is no
     uncompressed warm-up: compression is on from the first step.
+
+    With ``beta2`` (ours, opt-in) the direction is Adam's, bounded to the range a 1-bit vote carries, and ``b`` is
+    replaced by the second moment :math:`v` (state key ``"exp_avg_sq"``; no state is added):
+
+    .. math::
+        v_t &= \beta_2 v_{t-1} + (1 - \beta_2) g_t^2 \\
+        u_t &= \operatorname{clip}\Big(\frac{m_t / (1 - \beta^t)}{\sqrt{v_t / (1 - \beta_2^t)} + \epsilon}, -1, 1\Big)
+
+    With ``grad_clip`` :math:`c` (ours, opt-in) each rank scales each parameter's gradient (the part it encodes: a
+    shard under FSDP) to at most its share of a global norm of :math:`c` before it is encoded,
+    :math:`g_i \leftarrow g_i \min(1, c \sqrt{n_i / N} / \lVert g_i \rVert)` (:math:`n_i` its elements, :math:`N`
+    the optimizer's parameters' elements): no communication, so the DDP hook can clip bucket by bucket, where a global
+    norm would need every bucket first. ``docs/ALGORITHM.md``, "The update rule at other layouts", has the
+    measurements; both are off by default.
 
     Where :math:`g_t = 0` exactly (a *stale* coordinate: an embedding row absent from the batch, a dead unit), the
     lines above are the paper's (``stale="keep"``): :math:`m` and :math:`b` decay alike and :math:`u` keeps its last
@@ -126,7 +148,13 @@ class Birder(OneBitOptimizer):
         weight_decay (`float`, *optional*, defaults to `0.0`): decoupled weight decay :math:`\lambda` (>= 0).
         quantize (`bool`, *optional*, defaults to `True`): binary randomization; ``False`` uses
             :math:`d = u` (single process only; a reference, not 1-bit).
-        amsgrad (`bool`, *optional*, defaults to `False`): use :math:`\max_{s \le t} b_s` (the theory's variant).
+        amsgrad (`bool`, *optional*, defaults to `False`): use :math:`\max_{s \le t} b_s` (the theory's variant;
+            with ``beta2``, :math:`\max_{s \le t} v_s`).
+        beta2 (`float`, *optional*): the second moment's EMA factor in ``[0, 1)``: switches ``u`` to the bounded
+            second-moment direction above (``None``, the default: the paper's ``u = m / b``).
+        eps (`float`, *optional*, defaults to `1e-8`): with ``beta2``, added to :math:`\sqrt{\hat v}` (> 0).
+        grad_clip (`float`, *optional*): clip each parameter's gradient to its share of this global norm before
+            encoding (> 0; ``None``, the default: no clipping).
         stale (`str`, *optional*, defaults to `DEFAULT_STALE`): ``"fade"``, ``"lazy"`` or ``"keep"`` (the paper's),
             as above; ``docs/ALGORITHM.md``, "Coordinates that stop receiving gradient".
         lazy (`bool`, *optional*): deprecated: ``lazy=True`` is ``stale="lazy"``, ``lazy=False`` is ``stale="keep"``.
@@ -157,13 +185,16 @@ class Birder(OneBitOptimizer):
         "weight_decay": NON_NEGATIVE,
         "quantize": FLAG,
         "amsgrad": FLAG,
+        "beta2": rule(lambda v: v is None or (is_real_number(v) and 0 <= v < 1), "None or a float in [0, 1) (0.999)"),
+        "eps": rule(lambda v: is_real_number(v) and v > 0, "a finite float > 0 (1e-8)"),
+        "grad_clip": rule(lambda v: v is None or (is_real_number(v) and v > 0), "None or a finite float > 0 (1.0)"),
         "stale": rule(lambda v: v in STALE_MODES, f"one of {', '.join(map(repr, STALE_MODES))}"),
         "seed": INTEGER,
         "foreach": OPTIONAL_FLAG,
         "maximize": FLAG,
     }
-    optional_settings = ("foreach", "maximize", "stale")
-    card_keys = ("lr", "beta", "weight_decay", "amsgrad", "stale")
+    optional_settings = ("foreach", "maximize", "stale", "beta2", "eps", "grad_clip")
+    card_keys = ("lr", "beta", "weight_decay", "amsgrad", "stale", "beta2", "grad_clip")
     card_name = "Birder (1-bit adaptive, Peng et al. NeurIPS 2023; birder-hf)"
     card_title = "## Trained with Birder"
     card_summary = (
@@ -171,9 +202,9 @@ class Birder(OneBitOptimizer):
         "optimizer exchanges 1-bit quantized update directions between workers (Hierarchical-1-bit-All-Reduce); "
         "what each method sends per step is in birder-hf's README."
     )
-    state_keys = ("step", "exp_avg", "exp_avg_abs", "max_exp_avg_abs", "shard")
-    required_state = ("step", "exp_avg", "exp_avg_abs")
-    tensor_state = ("exp_avg", "exp_avg_abs", "max_exp_avg_abs")
+    state_keys = ("step", "exp_avg", "exp_avg_abs", "max_exp_avg_abs", "exp_avg_sq", "max_exp_avg_sq", "shard")
+    required_state = ("step", "exp_avg")  # and the second moment of the group's mode (_state_problem)
+    tensor_state = ("exp_avg", "exp_avg_abs", "max_exp_avg_abs", "exp_avg_sq", "max_exp_avg_sq")
 
     def __init__(
         self,
@@ -184,6 +215,9 @@ class Birder(OneBitOptimizer):
         *,
         quantize: bool = True,
         amsgrad: bool = False,
+        beta2: float | None = None,
+        eps: float = 1e-8,
+        grad_clip: float | None = None,
         stale: str | None = None,
         lazy: bool | None = None,
         seed: int | None = None,
@@ -206,11 +240,10 @@ class Birder(OneBitOptimizer):
         try:
             if unknown:  # a typo, or another optimizer's setting (timm and the Trainer pass them along): never ignored
                 key = next(iter(unknown))
-                hint = {
-                    "betas": "Birder has one beta: pass beta=0.95",
-                    "eps": "Birder has no eps (u = m / b needs none)",
-                }
-                known = "its settings are lr, beta, weight_decay, quantize, amsgrad, stale, seed, foreach, maximize"
+                hint = {"betas": "Birder has beta (m's EMA, 0.95) and, for the second-moment direction, beta2: pass "
+                                 "beta=0.95 (and beta2=0.999)"}  # fmt: skip
+                known = "its settings are lr, beta, weight_decay, quantize, amsgrad, beta2, eps, grad_clip, stale, "
+                known += "seed, foreach, maximize"
                 raise TypeError(f"Birder got an unknown setting {key}={unknown[key]!r}: {hint.get(key, known)}.")
             if differentiable is not False:
                 what = f"Invalid differentiable={differentiable!r}: random signs have no useful derivative"
@@ -221,7 +254,8 @@ class Birder(OneBitOptimizer):
                 seed = torch.initial_seed() % (2**31 - 1)
             seed = int(seed) if is_integer(seed) else seed  # a numpy int becomes a Python int (weights_only loads)
             defaults = {"lr": lr, "beta": beta, "weight_decay": weight_decay, "quantize": quantize, "amsgrad": amsgrad,
-                        "stale": stale, "seed": seed, "foreach": foreach, "maximize": maximize}  # fmt: skip
+                        "beta2": beta2, "eps": eps, "grad_clip": grad_clip, "stale": stale, "seed": seed,
+                        "foreach": foreach, "maximize": maximize}  # fmt: skip
             super().__init__(params, defaults)  # validates every setting and parameter
             if distributed and not quantize:
                 raise ValueError("quantize=False sends full-precision u and is for one process only; drop it.")
@@ -271,16 +305,17 @@ class Birder(OneBitOptimizer):
         ``(offset, local numel, full numel)``, which a resume checks (``birder_hf.base.shard_record``).
         """
         state = self.state[p]
+        second, second_max = second_moment_keys(group)
         if len(state) == 0:
             dtype, x = state_dtype(p), local_tensor(p)
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["exp_avg"] = torch.zeros_like(x, dtype=dtype, memory_format=torch.preserve_format)
-            state["exp_avg_abs"] = torch.zeros_like(x, dtype=dtype, memory_format=torch.preserve_format)
+            state[second] = torch.zeros_like(x, dtype=dtype, memory_format=torch.preserve_format)
             record = shard_record(p)
             if record is not None:
                 state["shard"] = record
-        if group["amsgrad"] and "max_exp_avg_abs" not in state:
-            state["max_exp_avg_abs"] = state["exp_avg_abs"].clone()
+        if group["amsgrad"] and second_max not in state:
+            state[second_max] = state[second].clone()
         return state
 
     def encode(
@@ -301,12 +336,21 @@ class Birder(OneBitOptimizer):
         (fp16 with a ``GradScaler``); the state gets ``grads / grad_scale``.
         """
         states = [self.init_state(p, group) for p in params]
+        second, second_max = second_moment_keys(group)
+        clip_norms = None
+        if group["grad_clip"] is not None:  # each piece's share of the global norm: c sqrt(n_i / N)
+            total = self.trained_numel()
+            clip_norms = [group["grad_clip"] * math.sqrt(local_tensor(g).numel() / total) for g in grads]
         us = birder_encode(
             [local_tensor(g) for g in grads],
             [s["exp_avg"] for s in states],
-            [s["exp_avg_abs"] for s in states],
-            [s["max_exp_avg_abs"] for s in states] if group["amsgrad"] else None,
+            [s[second] for s in states],
+            [s[second_max] for s in states] if group["amsgrad"] else None,
             beta=group["beta"],
+            beta2=group["beta2"],
+            eps=group["eps"],
+            steps=[int(s["step"]) + 1 for s in states],
+            clip_norms=clip_norms,
             maximize=group["maximize"],
             foreach=group["foreach"],
             stale=group["stale"],
@@ -318,15 +362,38 @@ class Birder(OneBitOptimizer):
                 s["step"] += 1
         return us
 
+    def check_state_matches(self, params: list[torch.Tensor]) -> None:
+        """As the base's, and each parameter's state holds its group's second moment (``b``, or ``v`` with ``beta2``):
+        a group switched to the other mode over a live state is refused before anything is written."""
+        super().check_state_matches(params)
+        for p in params:
+            state, group = self.state.get(p), self.group_of(p)
+            if state and group is not None and second_moment_keys(group)[0] not in state:
+                second = second_moment_keys(group)[0]
+                what = f"A parameter's state has no {second!r}, which beta2={group.get('beta2')!r} needs"
+                raise ValueError(explain(what, "keep the beta2 the state was built with (set it back), or start over"))
+
+    def trained_numel(self) -> int:
+        """Elements of the parameters that take gradients (full sizes, sharded or not): ``grad_clip``'s :math:`N`."""
+        return max(1, sum(p.numel() for g in self.param_groups for p in g["params"] if p.requires_grad))
+
     def _state_problem(self, p: torch.Tensor, state: dict, group: dict) -> str | None:
         problem = super()._state_problem(p, state, group)
         if problem is not None:
             return problem
-        m, b = state["exp_avg"], state["exp_avg_abs"]
-        if not bool((b >= m.abs()).all()):  # holds in floating point for every state Birder writes (monotone rounding)
+        second, second_max = second_moment_keys(group)
+        other = "exp_avg_abs" if second == "exp_avg_sq" else "exp_avg_sq"
+        if second not in state or other in state or f"max_{other}" in state:
+            mode = "beta2=None (u = m / b)" if second == "exp_avg_abs" else f"beta2={group['beta2']!r} (u from m, v)"
+            return f"has no {second!r}, which {mode} needs (was it saved with the other beta2 mode?)"
+        m, b = state["exp_avg"], state[second]
+        if second == "exp_avg_sq":
+            if not bool((b >= 0).all()):
+                return "has a negative exp_avg_sq"
+        elif not bool((b >= m.abs()).all()):  # holds in floating point for every state Birder writes
             return "breaks |exp_avg| <= exp_avg_abs (then u = m / b would leave [-1, 1])"
-        if "max_exp_avg_abs" in state and not bool((state["max_exp_avg_abs"] >= b).all()):
-            return "breaks exp_avg_abs <= max_exp_avg_abs"
+        if second_max in state and not bool((state[second_max] >= b).all()):
+            return f"breaks {second} <= {second_max}"
         return None
 
     def commit_state(self, p: torch.Tensor, staged: StateBuffers) -> StateBuffers:
@@ -336,10 +403,11 @@ class Birder(OneBitOptimizer):
         backward and commits them once every rank agreed that the step is finite.
         """
         state = self.state[p]
-        old = StateBuffers(state["exp_avg"], state["exp_avg_abs"], state.get("max_exp_avg_abs"))
-        state["exp_avg"], state["exp_avg_abs"] = staged.exp_avg, staged.exp_avg_abs
+        second, second_max = second_moment_keys(self.group_of(p))
+        old = StateBuffers(state["exp_avg"], state[second], state.get(second_max))
+        state["exp_avg"], state[second] = staged.exp_avg, staged.exp_avg_abs
         if staged.max_exp_avg_abs is not None:
-            state["max_exp_avg_abs"] = staged.max_exp_avg_abs
+            state[second_max] = staged.max_exp_avg_abs
         state["step"] += 1
         return old
 
@@ -403,7 +471,8 @@ def _signs(u: torch.Tensor, key: tuple[int, int], offset: int = 0) -> torch.Tens
 
 
 class StateBuffers(NamedTuple):
-    """One parameter's ``m``, ``b`` and max ``b`` (``None`` without amsgrad)."""
+    """One parameter's ``m``, ``b`` and max ``b`` (``None`` without amsgrad); with ``beta2``, ``v`` and max ``v`` in
+    the last two."""
 
     exp_avg: torch.Tensor
     exp_avg_abs: torch.Tensor
@@ -427,6 +496,10 @@ def birder_encode(
     max_exp_avg_abss: list[torch.Tensor] | None = None,
     *,
     beta: float,
+    beta2: float | None = None,
+    eps: float = 1e-8,
+    steps: list[int] | None = None,
+    clip_norms: list[float] | None = None,
     maximize: bool = False,
     foreach: bool | None = None,
     stale: str = "keep",
@@ -445,17 +518,39 @@ def birder_encode(
     ``grad_scale``: a loss scale ``S`` the gradients carry (fp16 loss scaling); ``m`` and ``b`` take ``g / S`` through
     the EMA's weight, ``(1 - beta) / S``, with no temporary. For a power of two ``S`` (``GradScaler``'s scales are)
     ``(1 - beta) / S`` is exact, and so the state is bit for bit that of the unscaled gradients ``g``.
+
+    With ``beta2`` (see :class:`Birder`) ``exp_avg_abss`` hold :math:`v` (and ``max_exp_avg_abss`` its max), and
+    ``steps`` (each tensor's step count, this step included) the bias corrections; ``u`` is
+    :math:`\operatorname{clip}(\hat m / (\sqrt{\hat v} + \epsilon), -1, 1)`, one tensor at a time (``foreach`` has
+    no effect). ``clip_norms[i]``: the norm ``grads[i] / S`` is scaled down to first, if it is above it.
     """
     if not (isinstance(grad_scale, (int, float)) and math.isfinite(grad_scale) and grad_scale > 0):
         raise ValueError(f"grad_scale={grad_scale!r} must be a finite number > 0 (the loss scale of the gradients).")
     if stale not in STALE_MODES:
         raise ValueError(f"stale={stale!r} must be one of {', '.join(map(repr, STALE_MODES))}.")
+    if clip_norms is not None:
+        grads = [_clipped(g, bound, grad_scale) for g, bound in zip(grads, clip_norms)]
+    if beta2 is not None:
+        if steps is None or len(steps) != len(grads):
+            raise ValueError("beta2= needs steps=: each tensor's step count, this step included (bias correction).")
+        return _second_moment_encode(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, beta=beta, beta2=beta2,
+                                     eps=eps, steps=steps, maximize=maximize, out=out, stale=stale,
+                                     grad_scale=grad_scale)  # fmt: skip
     if foreach is None:
         foreach = bool(grads) and all(g.is_cuda for g in grads)
     fn = _multi_tensor_encode if foreach else _single_tensor_encode
     weight = (1 - beta) / grad_scale
     return fn(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, beta=beta, weight=weight, maximize=maximize, out=out,
               stale=stale)  # fmt: skip
+
+
+def _clipped(g: torch.Tensor, bound: float, grad_scale: float) -> torch.Tensor:
+    """``g`` scaled so that ``||g|| / grad_scale <= bound`` (itself if it is already): a float32 or wider copy; the
+    factor stays on ``g``'s device (no host sync)."""
+    g = g.float() if g.dtype in (torch.float16, torch.bfloat16) else g
+    norm = torch.linalg.vector_norm(g)
+    factor = (bound * grad_scale / norm).clamp(max=1.0)  # inf where norm = 0: clamped to 1
+    return g * factor
 
 
 def birder_apply(params: list[torch.Tensor], directions: list[torch.Tensor], *, lr: float, weight_decay: float):
@@ -506,12 +601,21 @@ def birder(
     maximize: bool = False,
     foreach: bool | None = None,
     stale: str = "keep",
+    **encode_options,
 ) -> list[torch.Tensor]:
     r"""One-process Birder step (see :class:`Birder`): encode, :math:`d = Q(u)` (0 where :math:`u = 0`; or ``u``
-    without ``quantize``), apply. ``keys[i]`` keys the random bits of ``params[i]``. Returns the directions
-    :math:`d`."""
+    without ``quantize``), apply. ``keys[i]`` keys the random bits of ``params[i]``; ``encode_options``:
+    :func:`birder_encode`'s ``beta2``, ``eps``, ``steps``, ``clip_norms``. Returns the directions :math:`d`."""
     us = birder_encode(
-        grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, beta=beta, maximize=maximize, foreach=foreach, stale=stale
+        grads,
+        exp_avgs,
+        exp_avg_abss,
+        max_exp_avg_abss,
+        beta=beta,
+        maximize=maximize,
+        foreach=foreach,
+        stale=stale,
+        **encode_options,
     )
     ds = [_signs(u, key) for u, key in zip(us, keys)] if quantize else us
     birder_apply(params, ds, lr=lr, weight_decay=weight_decay)
@@ -642,4 +746,38 @@ def _multi_tensor_encode(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, *, bet
     torch._foreach_clamp_max_(us, 1.0)
     for u, zero in zip(us, zeros or ()):  # u <- 0 where a stale coordinate does not vote (see _encode_into)
         u.masked_fill_(zero & (u.abs() < STALE_VOTE_MIN) if stale == "fade" else zero, 0.0)
+    return us
+
+
+def _second_moment_encode(grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, *, beta, beta2, eps, steps, maximize, out,
+                          stale, grad_scale):  # fmt: skip
+    # beta2's direction, one tensor at a time, eagerly; every product rounded before the sum, as _encode_into
+    us = []
+    w1, w2 = (1 - beta) / grad_scale, (1 - beta2) / (grad_scale * grad_scale)
+    for i, (g, m, v) in enumerate(zip(grads, exp_avgs, exp_avg_sqs)):
+        m_out, v_out = (out.exp_avgs[i], out.exp_avg_abss[i]) if out is not None else (m, v)
+        g = g.to(m.dtype)
+        g = -g if maximize else g
+        m_new = m * beta + g * w1
+        v_new = v * beta2 + (g * g) * w2
+        zero = g == 0  # this step's stale coordinates
+        if stale == "fade":  # m decays once more: u shrinks by beta per stale step, beyond v's decay
+            m_new = torch.where(zero, m_new * beta, m_new)
+        denom = v_new
+        if max_exp_avg_sqs is not None:
+            denom = torch.maximum(max_exp_avg_sqs[i], v_new)
+            (out.max_exp_avg_abss[i] if out is not None else max_exp_avg_sqs[i]).copy_(denom)
+        t = steps[i]
+        u = (m_new / (1 - beta**t)) / ((denom / (1 - beta2**t)).sqrt() + eps)
+        u = u.clamp(-1.0, 1.0)
+        if stale == "lazy":
+            u = u.masked_fill(zero, 0.0)
+        elif stale == "fade":
+            u = u.masked_fill(zero & (u.abs() < STALE_VOTE_MIN), 0.0)
+        m_out.copy_(m_new)
+        v_out.copy_(v_new)
+        if out is not None and out.us is not None:
+            us.append(out.us[i].copy_(u))
+        else:
+            us.append(u)
     return us

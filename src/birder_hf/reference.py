@@ -5,10 +5,14 @@ update rule. It draws its bits from the same counter-based generator as :class:`
 (``random_int24``), so with the same seed both take the same random decisions. Where ``u`` is exactly 0 the
 direction is 0 (no coin: a coordinate whose gradient has always been 0 moves by weight decay only). Where this
 step's gradient is exactly 0: ``stale="keep"`` is the paper's literal update, ``"fade"`` decays m once more and sets
-``u = 0`` where ``|u| < STALE_VOTE_MIN``, ``"lazy"`` sets ``u = 0`` (as ``Birder``'s ``stale``).
+``u = 0`` where ``|u| < STALE_VOTE_MIN``, ``"lazy"`` sets ``u = 0`` (as ``Birder``'s ``stale``). ``beta2`` and
+``grad_clip`` as ``Birder``'s: Adam's bias-corrected direction clipped to [-1, 1], and each gradient clipped to its
+share of a global norm.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -31,11 +35,15 @@ class BirderReference:
         *,
         quantize=True,
         amsgrad=False,
+        beta2=None,
+        eps=1e-8,
+        grad_clip=None,
         stale=DEFAULT_STALE,
         seed=0,
     ):
         self.params = list(params)
         self.lr, self.beta, self.wd = lr, beta, weight_decay
+        self.beta2, self.eps, self.grad_clip = beta2, eps, grad_clip
         self.quantize, self.amsgrad, self.stale, self.seed = quantize, amsgrad, stale, seed
         self.m = [torch.zeros_like(p) for p in self.params]
         self.b = [torch.zeros_like(p) for p in self.params]
@@ -49,15 +57,26 @@ class BirderReference:
                 continue
             g = x.grad
             self.t[i] += 1
+            if self.grad_clip is not None:  # its share of a global norm: ||g|| <= c sqrt(n / N)
+                share = self.grad_clip * math.sqrt(g.numel() / sum(p.numel() for p in self.params))
+                g = g * (share / torch.linalg.vector_norm(g)).clamp(max=1.0)
             self.m[i] = self.beta * self.m[i] + (1 - self.beta) * g
-            self.b[i] = self.beta * self.b[i] + (1 - self.beta) * g.abs()
+            if self.beta2 is None:
+                self.b[i] = self.beta * self.b[i] + (1 - self.beta) * g.abs()
+            else:  # b holds v, the EMA of g**2
+                self.b[i] = self.beta2 * self.b[i] + (1 - self.beta2) * (g * g)
             if self.stale == "fade":  # a stale coordinate's m decays once more: its u shrinks by beta
                 self.m[i] = torch.where(g == 0, self.m[i] * self.beta, self.m[i])
             b = self.b[i]
             if self.amsgrad:
                 self.b_max[i] = torch.maximum(self.b_max[i], self.b[i])
                 b = self.b_max[i]
-            u = torch.where(b == 0, torch.zeros_like(b), self.m[i] / b)
+            if self.beta2 is None:
+                u = torch.where(b == 0, torch.zeros_like(b), self.m[i] / b)
+            else:
+                m_hat = self.m[i] / (1 - self.beta ** self.t[i])
+                v_hat = b / (1 - self.beta2 ** self.t[i])
+                u = (m_hat / (v_hat.sqrt() + self.eps)).clamp(-1, 1)
             if self.stale == "lazy":  # no gradient this step: no vote
                 u = torch.where(g == 0, torch.zeros_like(u), u)
             elif self.stale == "fade":  # no gradient this step and a faded u: no vote

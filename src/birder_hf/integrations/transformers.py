@@ -111,6 +111,14 @@ class BirderArguments:
         default=None, metadata={"help": "Elements per collective (bounds receive buffers; higher => fewer calls)."}
     )
     amsgrad: bool = field(default=False, metadata={"help": "Use max_t b_t (the theory's variant)."})
+    beta2: float | None = field(
+        default=None,
+        metadata={"help": "Opt-in: vote on clip(m_hat / sqrt(v_hat), -1, 1), v's EMA factor (0.999); None: m / b."},
+    )
+    grad_clip: float | None = field(
+        default=None,
+        metadata={"help": "Opt-in: clip each parameter's gradient, on each rank, to its share of this global norm."},
+    )
     stale: str = field(
         default=DEFAULT_STALE,
         metadata={"help": "A 0 gradient: fade (vote decays by beta: bounded drift) | lazy (no vote) | keep (paper)."},
@@ -146,6 +154,8 @@ class BirderArguments:
             "beta": Birder.settings["beta"],
             "freeze_step": OneBitAdam.settings["freeze_step"],
             "amsgrad": Birder.settings["amsgrad"],
+            "beta2": Birder.settings["beta2"],
+            "grad_clip": Birder.settings["grad_clip"],
             "stale": Birder.settings["stale"],
             "quantize": Birder.settings["quantize"],
         }
@@ -261,7 +271,8 @@ class BirderTrainerMixin(ShardedTrainerMixin):
                 extra = dict(betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon, freeze_step=b.freeze_step)
             else:
                 cls = Birder
-                extra = dict(beta=b.beta, amsgrad=b.amsgrad, stale=b.stale, quantize=b.quantize, seed=a.seed)
+                extra = dict(beta=b.beta, amsgrad=b.amsgrad, beta2=b.beta2, grad_clip=b.grad_clip, stale=b.stale,
+                             quantize=b.quantize, seed=a.seed)  # fmt: skip
             self.optimizer_cls_and_kwargs = (cls, dict(lr=a.learning_rate, weight_decay=a.weight_decay, **extra))
         return super().create_optimizer(model) if model is not None else super().create_optimizer()
 
