@@ -2,6 +2,8 @@
 no vote, no noise) and Birder's encoder swapped for variants of Adam's (issue 38).
 
     python benchmarks/update_rule_ablation.py --seeds 0 1 2    # docs/results/update_rule_ablation_lm.json / .md
+    python benchmarks/update_rule_ablation.py --seeds 0 1 2 --tag _clipping --variants adam-bounded-b2_0.99 \
+        adam-bounded-b2_0.95 adam-bounded-lagclip adam-bounded-tclip birder-tclip
 
 Variants (``--learning_rate`` each: the recipe's Birder default, AdamW's default for Adam's rule):
 
@@ -11,6 +13,9 @@ Variants (``--learning_rate`` each: the recipe's Birder default, AdamW's default
   (through Birder's step it equals the recipe's AdamW run without gradient clipping: ``--max_grad_norm 0``);
 - ``adam-bounded`` (2e-3): the same, clipped to ``[-1, 1]`` per coordinate, the bound Birder's vote needs;
 - ``adam-bounded-b2_X``: ``adam-bounded`` with beta2 = X (a shorter memory of g**2 instead of the clip);
+- ``...-lagclip``: clipped by the previous step's global norm (what a hook that sees one bucket at a time could know);
+- ``...-tclip``: each tensor's gradient clipped to its share ``sqrt(n_i / N)`` of a global norm of 1 (what
+  ``Birder(grad_clip=1.0)`` does, in the library since);
 - ``...-clip``: each of them with the gradient clipped to a global norm of 1 before the step, as the Trainer does for
   AdamW (``max_grad_norm=1.0``; ``BirderTrainer`` turns it off, since under the hook ``.grad`` holds the direction).
 
@@ -41,8 +46,8 @@ def _adam_encode(bounded: bool, beta2: float = 0.999):
     steps: dict[int, int] = {}
 
     def encode(
-        grads, ms, vs, _max=None, *, beta, maximize=False, foreach=None, stale="keep", out=None, grad_scale=1.0
-    ):
+        grads, ms, vs, _max=None, *, beta, maximize=False, foreach=None, stale="keep", out=None, grad_scale=1.0, **_
+    ):  # **_: the library's own beta2 / eps / steps / clip_norms, unused here
         if out is not None or maximize:
             raise NotImplementedError("the ablation runs step() in one process only")
         us = []

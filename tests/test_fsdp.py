@@ -60,9 +60,11 @@ def _loss(model, rank, step, dtype=torch.float32):
     return (model(x) - y).float().pow(2).mean()
 
 
-def _train_hsdp(rank, mesh, steps, method, *, in_backward=True, accumulate=1, nan_at=None, dtype=torch.float32):
+def _train_hsdp(
+    rank, mesh, steps, method, *, in_backward=True, accumulate=1, nan_at=None, dtype=torch.float32, **opt_kw
+):
     model = _sharded(mesh["shard"], dtype)
-    opt = _optimizer(model.parameters())
+    opt = _optimizer(model.parameters(), **opt_kw)
     comm = register_birder_fsdp(model, opt, mesh, method=method, in_backward=in_backward)
     losses = []
     for t in range(steps):
@@ -78,10 +80,10 @@ def _train_hsdp(rank, mesh, steps, method, *, in_backward=True, accumulate=1, na
     return model, opt, comm, losses
 
 
-def _train_reference(rank, mesh, steps, method, *, accumulate=1, skip=()):
+def _train_reference(rank, mesh, steps, method, *, accumulate=1, skip=(), **opt_kw):
     # unsharded: node-average the gradient by hand, then Birder's step() all-reduce over the replicate group
     model = _model()
-    opt = _optimizer(model.parameters(), topology=Topology.from_replicate_dim(mesh), method=method)
+    opt = _optimizer(model.parameters(), topology=Topology.from_replicate_dim(mesh), method=method, **opt_kw)
     node = mesh["shard"].get_group()
     for t in range(steps):
         for micro in range(accumulate):
@@ -133,6 +135,23 @@ def test_sharding_changes_no_bit_replicas_agree_and_state_covers_the_shard(metho
     assert not torch.equal(res[0][6][0], res[2][6][0])  # m differs between the nodes (their own gradients)
     losses = res[0][7]
     assert losses[-1] < 0.3 * losses[0]
+
+
+def test_the_second_moment_rule_shards_bit_for_bit_and_clipping_keeps_replicas_equal():
+    # beta2= is elementwise: sharding changes no bit; grad_clip= clips each rank's shard to its share of the norm (a
+    # different clip from the unsharded one's whole tensor, docs/ALGORITHM.md), and the replicas still agree
+    def fn(rank, world):
+        mesh = _mesh()
+        ref = _train_reference(rank, mesh, 6, "hierarchical", beta2=0.99)
+        model, opt, _, _ = _train_hsdp(rank, mesh, 6, "hierarchical", beta2=0.99)
+        clipped, _, _, losses = _train_hsdp(rank, mesh, 12, "hierarchical", beta2=0.99, grad_clip=0.05)
+        return ref, _full(model), _full(clipped), losses, sorted(opt.state[next(model.parameters())])
+
+    res = run_distributed(fn, 4)
+    for ref, hooked, clipped, _, keys in res:
+        assert _equal(hooked, ref) and _equal(clipped, res[0][2])
+        assert "exp_avg_sq" in keys and "exp_avg_abs" not in keys
+    assert res[0][3][-1] < 0.5 * res[0][3][0]
 
 
 def test_only_packed_bits_and_flags_cross_the_nodes():
