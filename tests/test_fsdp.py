@@ -137,19 +137,23 @@ def test_sharding_changes_no_bit_replicas_agree_and_state_covers_the_shard(metho
     assert losses[-1] < 0.3 * losses[0]
 
 
-def test_the_second_moment_rule_shards_bit_for_bit_and_clipping_keeps_replicas_equal():
-    # beta2= is elementwise: sharding changes no bit; grad_clip= clips each rank's shard to its share of the norm (a
-    # different clip from the unsharded one's whole tensor, docs/ALGORITHM.md), and the replicas still agree
+def test_the_update_rule_options_shard_bit_for_bit_and_clipping_keeps_replicas_equal():
+    # beta2= and error_feedback= are elementwise: sharding changes no bit; grad_clip= clips each rank's shard to
+    # its share of the norm (a different clip from the unsharded one's whole tensor, docs/ALGORITHM.md), and the
+    # replicas still agree
     def fn(rank, world):
         mesh = _mesh()
         ref = _train_reference(rank, mesh, 6, "hierarchical", beta2=0.99)
         model, opt, _, _ = _train_hsdp(rank, mesh, 6, "hierarchical", beta2=0.99)
         clipped, _, _, losses = _train_hsdp(rank, mesh, 12, "hierarchical", beta2=0.99, grad_clip=0.05)
-        return ref, _full(model), _full(clipped), losses, sorted(opt.state[next(model.parameters())])
+        ef_ref = _train_reference(rank, mesh, 6, "hierarchical", error_feedback=True)
+        ef, _, _, _ = _train_hsdp(rank, mesh, 6, "hierarchical", error_feedback=True)
+        keys = sorted(opt.state[next(model.parameters())])
+        return ref, _full(model), _full(clipped), losses, keys, ef_ref, _full(ef)
 
     res = run_distributed(fn, 4)
-    for ref, hooked, clipped, _, keys in res:
-        assert _equal(hooked, ref) and _equal(clipped, res[0][2])
+    for ref, hooked, clipped, _, keys, ef_ref, ef in res:
+        assert _equal(hooked, ref) and _equal(clipped, res[0][2]) and _equal(ef, ef_ref)
         assert "exp_avg_sq" in keys and "exp_avg_abs" not in keys
     assert res[0][3][-1] < 0.5 * res[0][3][0]
 

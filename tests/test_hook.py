@@ -106,11 +106,15 @@ def test_hook_replicas_identical_and_equal_to_the_unbucketed_reference(method, w
     assert stats0["comm/calls"] >= 50 and stats0["comm/compression_ratio"] > 8
 
 
-def test_hook_with_the_second_moment_and_tensor_clipping_equals_the_unbucketed_reference():
-    # beta2= and grad_clip= (issue 38's candidates): the hook encodes bucket by bucket, each tensor clipped to its own
-    # share of the norm, so bucketing changes no bit here either
-    opt_kw = dict(beta2=0.99, grad_clip=0.05, amsgrad=True)
-
+@pytest.mark.parametrize(
+    "opt_kw",
+    [dict(beta2=0.99, grad_clip=0.05, amsgrad=True), dict(error_feedback=True), dict(beta2=0.99, error_feedback=True)],
+    ids=["beta2-clip-amsgrad", "error-feedback", "beta2-error-feedback"],
+)
+def test_hook_with_the_update_rule_options_equals_the_unbucketed_reference(opt_kw):
+    # beta2=, grad_clip= and error_feedback= (issue 38's candidates): the hook encodes bucket by bucket, each tensor
+    # clipped to its own share of the norm, each rank's vote error staged and committed with m and b, so bucketing
+    # changes no bit here either
     def fn(rank, world):
         hooked, losses, _, _ = _train_hook(rank, world, "hierarchical", 30, {}, **opt_kw)
         return hooked, losses, _train_reference(rank, world, "hierarchical", 30, **opt_kw)
@@ -118,7 +122,7 @@ def test_hook_with_the_second_moment_and_tensor_clipping_equals_the_unbucketed_r
     res = run_distributed(fn, 4)
     (params0, *_), losses0, _ = res[0]
     for (params, ms, vs, steps), _, (rparams, rms, rvs, rsteps) in res:
-        assert _equal(params, params0) and _equal(params, rparams)
+        assert _equal(params, params0) and _equal(params, rparams)  # (with error feedback: its state made them so)
         assert _equal(ms, rms) and _equal(vs, rvs) and steps == rsteps == [30] * len(steps)
     assert sum(losses0[-5:]) < 0.5 * sum(losses0[:5])  # it learns
 

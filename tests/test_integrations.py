@@ -128,17 +128,18 @@ def test_trainer_hook_logs_and_exact_resume(tmp_path):
     assert train_logs[-1]["loss"] < train_logs[0]["loss"]
 
 
-def test_trainer_with_the_second_moment_and_clipping_resumes_exactly(tmp_path):
-    # BirderArguments' beta2 / grad_clip reach the optimizer; v is saved per rank and resumed bit for bit
+def test_trainer_with_the_update_rule_options_resumes_exactly(tmp_path):
+    # BirderArguments' beta2 / grad_clip / error_feedback reach the optimizer; v and the vote error are saved per rank
+    # and resumed bit for bit
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    rule = {"beta": 0.9, "beta2": 0.999, "grad_clip": 0.5}
+    rule = {"beta": 0.9, "beta2": 0.999, "grad_clip": 0.5, "error_feedback": True}
     kw = dict(timeout=240, local_world_size=2, env=_launcher_env())
     straight = run_distributed(_trainer_run, 2, a, None, 8, None, rule, **kw)
     resumed = run_distributed(_trainer_run, 2, b, os.path.join(a, "checkpoint-4"), 8, None, rule, **kw)
     for s, r in zip(straight, resumed):
         assert all(torch.equal(x, y) for x, y in zip(s["params"], r["params"]))
         assert _same_state(s["state"], r["state"])
-        assert all("exp_avg_sq" in st and "exp_avg_abs" not in st for st in s["state"])
+        assert all("exp_avg_sq" in st and "vote_error" in st and "exp_avg_abs" not in st for st in s["state"])
     assert all(torch.equal(x, y) for x, y in zip(straight[0]["params"], straight[1]["params"]))
     train_logs = [entry for entry in straight[0]["logs"] if "loss" in entry]
     assert train_logs[-1]["loss"] < train_logs[0]["loss"]

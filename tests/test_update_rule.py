@@ -1,6 +1,6 @@
-"""Birder's opt-in update-rule options (issue 38's candidates): the second-moment direction (``beta2=``) and each
-rank's gradient clipped per tensor (``grad_clip=``), in one process: the reference's bits, Adam's direction, the
-clipping's norms, and the modes' state kept apart."""
+"""Birder's opt-in update-rule options (issue 38's candidates): the second-moment direction (``beta2=``), each rank's
+gradient clipped per tensor (``grad_clip=``) and error feedback on the vote (``error_feedback=``), in one process: the
+reference's bits, Adam's direction, the clipping's norms, the error's bound, and the modes' state kept apart."""
 
 import math
 
@@ -24,11 +24,12 @@ def _grads(params, step, scale=1.0):
 @pytest.mark.parametrize("stale", ["fade", "lazy", "keep"])
 @pytest.mark.parametrize("amsgrad", [False, True])
 @pytest.mark.parametrize("quantize", [True, False])
-@pytest.mark.parametrize("grad_clip", [None, 0.3])
-def test_second_moment_and_clipping_match_the_reference_bit_for_bit(stale, amsgrad, quantize, grad_clip):
+@pytest.mark.parametrize("grad_clip, error_feedback", [(None, False), (0.3, False), (0.3, True)])
+def test_second_moment_and_clipping_match_the_reference_bit_for_bit(stale, amsgrad, quantize, grad_clip,
+                                                                    error_feedback):  # fmt: skip
     fast_p, ref_p = _params(), _params()
     kw = dict(lr=0.01, beta=0.9, weight_decay=0.1, quantize=quantize, amsgrad=amsgrad, beta2=0.99, eps=1e-6,
-              grad_clip=grad_clip, stale=stale, seed=42)  # fmt: skip
+              grad_clip=grad_clip, error_feedback=error_feedback, stale=stale, seed=42)  # fmt: skip
     fast, ref = Birder(fast_p, **kw), BirderReference(ref_p, **kw)
     for t in range(60):
         scale = 10.0 ** ((t % 5) - 2)  # gradients over 4 orders of magnitude
@@ -45,6 +46,51 @@ def test_second_moment_and_clipping_match_the_reference_bit_for_bit(stale, amsgr
         assert torch.equal(fast.state[p]["exp_avg"], ref.m[i])
         assert torch.equal(fast.state[p]["exp_avg_sq"], ref.b[i])
         assert "exp_avg_abs" not in fast.state[p]
+        if error_feedback:
+            assert torch.equal(fast.state[p]["vote_error"], ref.e[i])
+
+
+@pytest.mark.parametrize("stale", ["fade", "keep"])
+def test_error_feedback_matches_the_reference_with_the_papers_direction(stale):
+    fast_p, ref_p = _params(), _params()
+    kw = dict(lr=0.01, beta=0.9, weight_decay=0.1, amsgrad=True, error_feedback=True, stale=stale, seed=4)
+    fast, ref = Birder(fast_p, **kw), BirderReference(ref_p, **kw)
+    for t in range(40):
+        for p, q, g in zip(fast_p, ref_p, _grads(fast_p, t)):
+            g.view(-1)[:3] = 0.0
+            p.grad, q.grad = g.clone(), g.clone()
+        fast.step()
+        ref.step()
+    for i, p in enumerate(fast_p):
+        torch.testing.assert_close(p, ref_p[i], rtol=0, atol=1e-12)
+        assert torch.equal(fast.state[p]["vote_error"], ref.e[i]) and torch.equal(fast.state[p]["exp_avg"], ref.m[i])
+
+
+@pytest.mark.parametrize("beta2", [None, 0.999])
+def test_error_feedback_keeps_the_sent_directions_within_one_of_the_meant_ones(beta2):
+    # sum_s q_s = sum_s u_s - e_t with |e_t| <= 1: the directions sent trail u's sum by less than 1 per coordinate at
+    # every step, where the random vote's sum wanders off as sqrt(t); u from a twin without error feedback (m, b, v
+    # depend on the gradients only)
+    params = [torch.zeros_like(p).requires_grad_() for p in _params()]  # from 0 with lr 1: integer sums, exact
+    twin = [torch.zeros_like(p).requires_grad_() for p in params]
+    kw = dict(lr=1.0, beta=0.9, beta2=beta2, quantize=False, seed=1)
+    opt, ref = Birder(params, error_feedback=True, **kw), Birder(twin, **kw)
+    sent = [torch.zeros_like(p) for p in params]
+    meant = [torch.zeros_like(p) for p in params]
+    for t in range(200):
+        for p, q, g in zip(params, twin, _grads(params, t, scale=0.1)):
+            p.grad, q.grad = g.clone(), g.clone()
+        before = [p.detach().clone() for p in params + twin]
+        opt.step()
+        ref.step()
+        moved = [b - p.detach() for b, p in zip(before, params + twin)]  # lr = 1, no decay: the directions
+        for s, m, d, u in zip(sent, meant, moved[: len(params)], moved[len(params) :]):
+            assert set(d.unique().tolist()) <= {-1.0, 0.0, 1.0}  # one bit (or no vote) per coordinate
+            s.add_(d)
+            m.add_(u)
+            assert (s - m).abs().max() <= 1.0 + 1e-9
+    for p, s, m in zip(params, sent, meant):
+        torch.testing.assert_close(opt.state[p]["vote_error"], m - s, rtol=0, atol=1e-9)
 
 
 def test_the_second_moment_direction_is_adams_while_it_stays_in_bounds():

@@ -76,11 +76,18 @@ class BirderStaging:
             buf = self._directions[index] = torch.empty(numel, dtype=dtype, device=device)
         return buf
 
-    def _buffers(self, p: torch.Tensor, state: dict, amsgrad: bool) -> StateBuffers:
+    def _buffers(self, p: torch.Tensor, state: dict, group: dict) -> StateBuffers:
         bufs = self._scratch.get(p)
-        if bufs is None or bufs.exp_avg.shape != state["exp_avg"].shape:
+        amsgrad, feedback = group["amsgrad"], group.get("error_feedback", False)
+        if (
+            bufs is None
+            or bufs.exp_avg.shape != state["exp_avg"].shape
+            or (bufs.max_exp_avg_abs is None) == amsgrad
+            or (bufs.error is None) == feedback
+        ):
             m = torch.empty_like(state["exp_avg"])
-            bufs = StateBuffers(m, torch.empty_like(m), torch.empty_like(m) if amsgrad else None)
+            extra = [torch.empty_like(m) if on else None for on in (amsgrad, feedback)]
+            bufs = StateBuffers(m, torch.empty_like(m), *extra)
             self._scratch[p] = bufs
         return bufs
 
@@ -100,9 +107,10 @@ class BirderStaging:
             params.append(p)
             at += g.numel()
         for group, ps, gs, vs in by_group.values():
-            bufs = [self._buffers(p, opt.state[p], group["amsgrad"]) for p in ps]
+            bufs = [self._buffers(p, opt.state[p], group) for p in ps]
             maxes = [b.max_exp_avg_abs for b in bufs] if group["amsgrad"] else None
-            staged = EncodeOut([b.exp_avg for b in bufs], [b.exp_avg_abs for b in bufs], maxes, vs)
+            errors = [b.error for b in bufs] if group.get("error_feedback") else None
+            staged = EncodeOut([b.exp_avg for b in bufs], [b.exp_avg_abs for b in bufs], maxes, vs, errors)
             opt.encode(group, ps, gs, out=staged, grad_scale=hook.loss_scale())
             for p, b, u in zip(ps, bufs, vs):
                 hook.stage(p, group, b, u if keep else None)

@@ -18,7 +18,8 @@ Deviations from the paper (its full text and code were not available to us; ``do
 - Steps with a non-finite gradient are skipped (state and parameters untouched) with a warning.
 - ``beta2=`` and ``grad_clip=`` (ours, opt-in, issue 38's candidates; ``docs/ALGORITHM.md``): a second-moment
   direction ``clip(m_hat / (sqrt(v_hat) + eps), -1, 1)`` in place of ``m / b``, and each rank's gradient clipped per
-  tensor before it is encoded. Off by default: the paper's update is the default until the quality matrix decides.
+  tensor before it is encoded, and ``error_feedback=`` (a deterministic 1-bit vote whose rounding error each rank
+  carries to its next step). Off by default: the paper's update is the default until the quality matrix decides.
 
 The optimizer *encodes* (``m, b -> u``) and *applies* (``x <- x - lr (d + wd x)``); turning every rank's ``u``
 into ``d`` is the job of its communicator (``birder_hf.base``, ``docs/ARCHITECTURE.md``). This module imports
@@ -116,6 +117,17 @@ class Birder(OneBitOptimizer):
     norm would need every bucket first. ``docs/ALGORITHM.md``, "The update rule at other layouts", has the
     measurements; both are off by default.
 
+    With ``error_feedback`` (ours, opt-in) each rank sends the sign of its direction plus the rounding error it kept,
+    and keeps the new error (state key ``"vote_error"``, :math:`|e| \le 1`):
+
+    .. math::
+        s_t = u_t + e_{t-1}, \qquad q_t = \operatorname{sign}(s_t) \in \{-1, +1\}, \qquad e_t = s_t - q_t
+
+    (where :math:`u_t = 0`, no vote: :math:`q_t = 0` and :math:`e` is kept). The vote no longer draws random bits:
+    instead of :math:`E[q_t] = u_t` at every step, :math:`\sum_{s \le t} q_s = \sum_{s \le t} u_s - e_t`, so the
+    directions a rank has sent trail what it meant to send by less than 1 per coordinate, at any step
+    (sigma-delta modulation; error-feedback signSGD, Karimireddy et al. 2019).
+
     Where :math:`g_t = 0` exactly (a *stale* coordinate: an embedding row absent from the batch, a dead unit), the
     lines above are the paper's (``stale="keep"``): :math:`m` and :math:`b` decay alike and :math:`u` keeps its last
     value. With ``stale="fade"`` such a coordinate's :math:`m` decays once more, :math:`m_t = \beta^2 m_{t-1}`, so
@@ -155,6 +167,8 @@ class Birder(OneBitOptimizer):
         eps (`float`, *optional*, defaults to `1e-8`): with ``beta2``, added to :math:`\sqrt{\hat v}` (> 0).
         grad_clip (`float`, *optional*): clip each parameter's gradient to its share of this global norm before
             encoding (> 0; ``None``, the default: no clipping).
+        error_feedback (`bool`, *optional*, defaults to `False`): vote with the sign of ``u`` plus the kept rounding
+            error, as above (one more fp32 buffer per parameter).
         stale (`str`, *optional*, defaults to `DEFAULT_STALE`): ``"fade"``, ``"lazy"`` or ``"keep"`` (the paper's),
             as above; ``docs/ALGORITHM.md``, "Coordinates that stop receiving gradient".
         lazy (`bool`, *optional*): deprecated: ``lazy=True`` is ``stale="lazy"``, ``lazy=False`` is ``stale="keep"``.
@@ -188,13 +202,14 @@ class Birder(OneBitOptimizer):
         "beta2": rule(lambda v: v is None or (is_real_number(v) and 0 <= v < 1), "None or a float in [0, 1) (0.999)"),
         "eps": rule(lambda v: is_real_number(v) and v > 0, "a finite float > 0 (1e-8)"),
         "grad_clip": rule(lambda v: v is None or (is_real_number(v) and v > 0), "None or a finite float > 0 (1.0)"),
+        "error_feedback": FLAG,
         "stale": rule(lambda v: v in STALE_MODES, f"one of {', '.join(map(repr, STALE_MODES))}"),
         "seed": INTEGER,
         "foreach": OPTIONAL_FLAG,
         "maximize": FLAG,
     }
-    optional_settings = ("foreach", "maximize", "stale", "beta2", "eps", "grad_clip")
-    card_keys = ("lr", "beta", "weight_decay", "amsgrad", "stale", "beta2", "grad_clip")
+    optional_settings = ("foreach", "maximize", "stale", "beta2", "eps", "grad_clip", "error_feedback")
+    card_keys = ("lr", "beta", "weight_decay", "amsgrad", "stale", "beta2", "grad_clip", "error_feedback")
     card_name = "Birder (1-bit adaptive, Peng et al. NeurIPS 2023; birder-hf)"
     card_title = "## Trained with Birder"
     card_summary = (
@@ -202,9 +217,10 @@ class Birder(OneBitOptimizer):
         "optimizer exchanges 1-bit quantized update directions between workers (Hierarchical-1-bit-All-Reduce); "
         "what each method sends per step is in birder-hf's README."
     )
-    state_keys = ("step", "exp_avg", "exp_avg_abs", "max_exp_avg_abs", "exp_avg_sq", "max_exp_avg_sq", "shard")
+    state_keys = ("step", "exp_avg", "exp_avg_abs", "max_exp_avg_abs", "exp_avg_sq", "max_exp_avg_sq", "vote_error",
+                  "shard")  # fmt: skip
     required_state = ("step", "exp_avg")  # and the second moment of the group's mode (_state_problem)
-    tensor_state = ("exp_avg", "exp_avg_abs", "max_exp_avg_abs", "exp_avg_sq", "max_exp_avg_sq")
+    tensor_state = ("exp_avg", "exp_avg_abs", "max_exp_avg_abs", "exp_avg_sq", "max_exp_avg_sq", "vote_error")
 
     def __init__(
         self,
@@ -218,6 +234,7 @@ class Birder(OneBitOptimizer):
         beta2: float | None = None,
         eps: float = 1e-8,
         grad_clip: float | None = None,
+        error_feedback: bool = False,
         stale: str | None = None,
         lazy: bool | None = None,
         seed: int | None = None,
@@ -242,8 +259,8 @@ class Birder(OneBitOptimizer):
                 key = next(iter(unknown))
                 hint = {"betas": "Birder has beta (m's EMA, 0.95) and, for the second-moment direction, beta2: pass "
                                  "beta=0.95 (and beta2=0.999)"}  # fmt: skip
-                known = "its settings are lr, beta, weight_decay, quantize, amsgrad, beta2, eps, grad_clip, stale, "
-                known += "seed, foreach, maximize"
+                known = "its settings are lr, beta, weight_decay, quantize, amsgrad, beta2, eps, grad_clip, "
+                known += "error_feedback, stale, seed, foreach, maximize"
                 raise TypeError(f"Birder got an unknown setting {key}={unknown[key]!r}: {hint.get(key, known)}.")
             if differentiable is not False:
                 what = f"Invalid differentiable={differentiable!r}: random signs have no useful derivative"
@@ -254,7 +271,8 @@ class Birder(OneBitOptimizer):
                 seed = torch.initial_seed() % (2**31 - 1)
             seed = int(seed) if is_integer(seed) else seed  # a numpy int becomes a Python int (weights_only loads)
             defaults = {"lr": lr, "beta": beta, "weight_decay": weight_decay, "quantize": quantize, "amsgrad": amsgrad,
-                        "beta2": beta2, "eps": eps, "grad_clip": grad_clip, "stale": stale, "seed": seed,
+                        "beta2": beta2, "eps": eps, "grad_clip": grad_clip, "error_feedback": error_feedback,
+                        "stale": stale, "seed": seed,
                         "foreach": foreach, "maximize": maximize}  # fmt: skip
             super().__init__(params, defaults)  # validates every setting and parameter
             if distributed and not quantize:
@@ -316,6 +334,8 @@ class Birder(OneBitOptimizer):
                 state["shard"] = record
         if group["amsgrad"] and second_max not in state:
             state[second_max] = state[second].clone()
+        if group["error_feedback"] and "vote_error" not in state:
+            state["vote_error"] = torch.zeros_like(state["exp_avg"])
         return state
 
     def encode(
@@ -357,6 +377,9 @@ class Birder(OneBitOptimizer):
             out=out,
             grad_scale=grad_scale,
         )
+        if group["error_feedback"]:  # errors staged with the rest (out.errors), or updated in place
+            errors = [s["vote_error"] for s in states]
+            vote_with_error_feedback(us, errors, out.errors if out is not None else errors)
         if out is None:  # counted once the math is done: a failure above leaves every counter as it was
             for s in states:
                 s["step"] += 1
@@ -394,6 +417,8 @@ class Birder(OneBitOptimizer):
             return "breaks |exp_avg| <= exp_avg_abs (then u = m / b would leave [-1, 1])"
         if second_max in state and not bool((state[second_max] >= b).all()):
             return f"breaks {second} <= {second_max}"
+        if "vote_error" in state and not bool((state["vote_error"].abs() <= 1).all()):
+            return "has a vote_error outside [-1, 1]"
         return None
 
     def commit_state(self, p: torch.Tensor, staged: StateBuffers) -> StateBuffers:
@@ -404,10 +429,12 @@ class Birder(OneBitOptimizer):
         """
         state = self.state[p]
         second, second_max = second_moment_keys(self.group_of(p))
-        old = StateBuffers(state["exp_avg"], state[second], state.get(second_max))
+        old = StateBuffers(state["exp_avg"], state[second], state.get(second_max), state.get("vote_error"))
         state["exp_avg"], state[second] = staged.exp_avg, staged.exp_avg_abs
         if staged.max_exp_avg_abs is not None:
             state[second_max] = staged.max_exp_avg_abs
+        if staged.error is not None:
+            state["vote_error"] = staged.error
         state["step"] += 1
         return old
 
@@ -471,22 +498,25 @@ def _signs(u: torch.Tensor, key: tuple[int, int], offset: int = 0) -> torch.Tens
 
 
 class StateBuffers(NamedTuple):
-    """One parameter's ``m``, ``b`` and max ``b`` (``None`` without amsgrad); with ``beta2``, ``v`` and max ``v`` in
-    the last two."""
+    """One parameter's ``m``, ``b`` and max ``b`` (``None`` without amsgrad), with ``beta2`` ``v`` and max ``v`` in
+    their places; and its vote error (``None`` without error feedback)."""
 
     exp_avg: torch.Tensor
     exp_avg_abs: torch.Tensor
     max_exp_avg_abs: torch.Tensor | None
+    error: torch.Tensor | None = None
 
 
 # ------------------------------------------------------------------------------------------ functional
 class EncodeOut(NamedTuple):
-    """Where :func:`birder_encode` writes the new ``m``, ``b``, max ``b`` (``None`` without amsgrad) and ``u``."""
+    """Where :func:`birder_encode` writes the new ``m``, ``b``, max ``b`` (``None`` without amsgrad) and ``u``; and
+    :meth:`Birder.encode` the new vote errors (``None`` without error feedback)."""
 
     exp_avgs: list[torch.Tensor]
     exp_avg_abss: list[torch.Tensor]
     max_exp_avg_abss: list[torch.Tensor] | None
     us: list[torch.Tensor] | None
+    errors: list[torch.Tensor] | None = None
 
 
 def birder_encode(
@@ -542,6 +572,19 @@ def birder_encode(
     weight = (1 - beta) / grad_scale
     return fn(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, beta=beta, weight=weight, maximize=maximize, out=out,
               stale=stale)  # fmt: skip
+
+
+def vote_with_error_feedback(us: list[torch.Tensor], errors: list[torch.Tensor], errors_out: list[torch.Tensor]):
+    r"""Error feedback on the vote, in place: :math:`s = u + e`, ``u`` becomes :math:`\operatorname{sign}(s)` (+1 where
+    :math:`s = 0`) and ``errors_out`` :math:`s - \operatorname{sign}(s)`; where ``u`` is 0 (no vote) it stays 0 and the
+    error is kept. ``errors_out`` may be ``errors``. Every rank's ``u`` is then +1, -1 or 0, which the 1-bit vote
+    sends as it is (:func:`birder_hf.quantize.quantize_bits` draws nothing for +-1)."""
+    for u, e, e_out in zip(us, errors, errors_out):
+        s = u.to(e.dtype) + e
+        q = torch.where(s >= 0, 1.0, -1.0).to(e.dtype)
+        vote = u != 0
+        e_out.copy_(torch.where(vote, s - q, e))
+        u.copy_(torch.where(vote, q, 0.0))
 
 
 def _clipped(g: torch.Tensor, bound: float, grad_scale: float) -> torch.Tensor:

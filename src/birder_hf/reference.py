@@ -7,7 +7,7 @@ direction is 0 (no coin: a coordinate whose gradient has always been 0 moves by 
 step's gradient is exactly 0: ``stale="keep"`` is the paper's literal update, ``"fade"`` decays m once more and sets
 ``u = 0`` where ``|u| < STALE_VOTE_MIN``, ``"lazy"`` sets ``u = 0`` (as ``Birder``'s ``stale``). ``beta2`` and
 ``grad_clip`` as ``Birder``'s: Adam's bias-corrected direction clipped to [-1, 1], and each gradient clipped to its
-share of a global norm.
+share of a global norm; ``error_feedback``: the vote's sign of ``u + e``, ``e`` the kept rounding error.
 """
 
 from __future__ import annotations
@@ -38,12 +38,14 @@ class BirderReference:
         beta2=None,
         eps=1e-8,
         grad_clip=None,
+        error_feedback=False,
         stale=DEFAULT_STALE,
         seed=0,
     ):
         self.params = list(params)
         self.lr, self.beta, self.wd = lr, beta, weight_decay
-        self.beta2, self.eps, self.grad_clip = beta2, eps, grad_clip
+        self.beta2, self.eps, self.grad_clip, self.error_feedback = beta2, eps, grad_clip, error_feedback
+        self.e = [torch.zeros_like(p) for p in self.params]
         self.quantize, self.amsgrad, self.stale, self.seed = quantize, amsgrad, stale, seed
         self.m = [torch.zeros_like(p) for p in self.params]
         self.b = [torch.zeros_like(p) for p in self.params]
@@ -81,6 +83,11 @@ class BirderReference:
                 u = torch.where(g == 0, torch.zeros_like(u), u)
             elif self.stale == "fade":  # no gradient this step and a faded u: no vote
                 u = torch.where((g == 0) & (u.abs() < STALE_VOTE_MIN), torch.zeros_like(u), u)
+            if self.error_feedback:  # vote sign(u + e), keep the rounding error; no vote where u = 0
+                s = u + self.e[i]
+                q = torch.where(s >= 0, 1.0, -1.0).to(s.dtype)
+                self.e[i] = torch.where(u == 0, self.e[i], s - q)
+                u = torch.where(u == 0, 0.0, q).to(s.dtype)
             if self.quantize:
                 key = derive_key(self.seed, self.t[i], i, STAGE_WORKER, 0)
                 r = random_int24(u.numel(), key).view(u.shape).to(torch.float64)

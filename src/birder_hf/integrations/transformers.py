@@ -119,6 +119,9 @@ class BirderArguments:
         default=None,
         metadata={"help": "Opt-in: clip each parameter's gradient, on each rank, to its share of this global norm."},
     )
+    error_feedback: bool = field(
+        default=False, metadata={"help": "Opt-in: vote sign(u + e), each rank keeping its rounding error e."}
+    )
     stale: str = field(
         default=DEFAULT_STALE,
         metadata={"help": "A 0 gradient: fade (vote decays by beta: bounded drift) | lazy (no vote) | keep (paper)."},
@@ -156,6 +159,7 @@ class BirderArguments:
             "amsgrad": Birder.settings["amsgrad"],
             "beta2": Birder.settings["beta2"],
             "grad_clip": Birder.settings["grad_clip"],
+            "error_feedback": Birder.settings["error_feedback"],
             "stale": Birder.settings["stale"],
             "quantize": Birder.settings["quantize"],
         }
@@ -271,8 +275,8 @@ class BirderTrainerMixin(ShardedTrainerMixin):
                 extra = dict(betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon, freeze_step=b.freeze_step)
             else:
                 cls = Birder
-                extra = dict(beta=b.beta, amsgrad=b.amsgrad, beta2=b.beta2, grad_clip=b.grad_clip, stale=b.stale,
-                             quantize=b.quantize, seed=a.seed)  # fmt: skip
+                rule = dict(beta=b.beta, amsgrad=b.amsgrad, beta2=b.beta2, grad_clip=b.grad_clip, stale=b.stale)
+                extra = dict(rule, error_feedback=b.error_feedback, quantize=b.quantize, seed=a.seed)
             self.optimizer_cls_and_kwargs = (cls, dict(lr=a.learning_rate, weight_decay=a.weight_decay, **extra))
         return super().create_optimizer(model) if model is not None else super().create_optimizer()
 
