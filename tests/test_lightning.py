@@ -227,11 +227,10 @@ def test_refusals_say_how_to_fix():
         BirderDDPStrategy(hierarchy_num_nodes=0)
 
     check = birder_lightning._check_trainer_settings
-    with pytest.raises(ValueError, match="Remove gradient_clip_val"):
-        check("32-true", 1.0)
-    for ok in ("32-true", "bf16-mixed", "bf16-true", "64-true", "16-mixed", "16-true"):
-        check(ok, None)
-    check("32-true", 0.0)
+    with pytest.raises(ValueError, match=r"Remove gradient_clip_val.*Birder\(grad_clip=...\) clips the gradient"):
+        check(1.0)
+    check(None)
+    check(0.0)
     params = [torch.nn.Parameter(torch.zeros(2))]
     with pytest.raises(ValueError, match="bf16-mixed"):  # 1-bit Adam's step depends on the loss scale
         birder_lightning._check_precision("16-mixed", OneBitAdam(params, freeze_step=2))

@@ -44,8 +44,6 @@ import torch
 
 from .base import OneBitOptimizer, explain, unwrap_optimizer
 
-RankLocalState = OneBitOptimizer  # deprecated alias: the rank-local state handling moved to birder_hf.base
-
 __all__ = [
     "save_rank_state",
     "load_rank_state",

@@ -408,7 +408,8 @@ class Birder(OneBitOptimizer):
         other = "exp_avg_abs" if second == "exp_avg_sq" else "exp_avg_sq"
         if second not in state or other in state or f"max_{other}" in state:
             mode = "beta2=None (u = m / b)" if second == "exp_avg_abs" else f"beta2={group['beta2']!r} (u from m, v)"
-            return f"has no {second!r}, which {mode} needs (was it saved with the other beta2 mode?)"
+            saved = f" (it holds {other!r}: saved with the other beta2 mode)" if other in state else ""
+            return f"lacks [{second!r}], which {mode} needs{saved}"
         m, b = state["exp_avg"], state[second]
         if second == "exp_avg_sq":
             if not bool((b >= 0).all()):

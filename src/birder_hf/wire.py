@@ -166,11 +166,6 @@ class Wire:
         work.wait()
         return out
 
-    def all_to_all_sync(self, inp: torch.Tensor, scope: str) -> torch.Tensor:
-        out, work = self.all_to_all(inp, scope)
-        work.wait()
-        return out
-
 
 class Job:
     """A communicator's call on one topology: ``start(wire)`` launches the first collective and returns

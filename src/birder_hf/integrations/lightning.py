@@ -72,8 +72,6 @@ with needs_extra(__name__, "PyTorch Lightning", "lightning"):
 
 __all__ = ["BirderDDPStrategy", "birder_state_dir", "find_resumable_lightning_checkpoint"]
 
-_ONE_BIT = OneBitOptimizer
-
 
 def birder_state_dir(checkpoint_path: str | os.PathLike) -> str:
     """The folder that holds every rank's Birder state for the Lightning checkpoint ``checkpoint_path``.
@@ -140,10 +138,11 @@ def find_resumable_lightning_checkpoint(dirpath: str | os.PathLike) -> str | Non
     return None
 
 
-def _check_trainer_settings(precision: str, gradient_clip_val: float | None) -> None:
+def _check_trainer_settings(gradient_clip_val: float | None) -> None:
     if gradient_clip_val is not None and gradient_clip_val > 0:
         what = f"Trainer(gradient_clip_val={gradient_clip_val}) would clip Birder's direction (in [-1, 1]) in .grad"
-        raise ValueError(explain(what, "Remove gradient_clip_val (a step is bounded by lr already)"))
+        fix = "Remove gradient_clip_val (a step is bounded by lr already; Birder(grad_clip=...) clips the gradient)"
+        raise ValueError(explain(what, fix))
 
 
 def _check_precision(precision: str, opt) -> None:
@@ -160,7 +159,7 @@ def _one_bit_optimizer(optimizers: list, automatic_optimization: bool) -> Birder
         fix = "put all parameters into one Birder or OneBitAdam (param groups may differ): DDP takes one hook"
         raise ValueError(explain(what, fix))
     opt = optimizers[0]
-    if not isinstance(opt, _ONE_BIT):
+    if not isinstance(opt, OneBitOptimizer):
         what = f"configure_optimizers must return a birder_hf.Birder (or OneBitAdam), got {type(opt).__name__}"
         raise TypeError(explain(what, "return Birder(self.parameters(), lr=...), or use strategy='ddp'"))
     return opt
@@ -239,7 +238,7 @@ class BirderDDPStrategy(DDPStrategy):
 
     # ----------------------------------------------------------------------------------------- setup
     def setup(self, trainer) -> None:
-        _check_trainer_settings(trainer.precision, trainer.gradient_clip_val)
+        _check_trainer_settings(trainer.gradient_clip_val)
         self.birder_hook_state = None
         super().setup(trainer)  # wraps the model in DDP, then calls configure_optimizers
         if trainer.state.fn != TrainerFn.FITTING:
@@ -286,7 +285,7 @@ class BirderDDPStrategy(DDPStrategy):
     # ------------------------------------------------------------------------------------ checkpoints
     def _one_bit_optimizer_or_none(self) -> Birder | OneBitAdam | None:
         opts = self.optimizers
-        return opts[0] if len(opts) == 1 and isinstance(opts[0], _ONE_BIT) else None
+        return opts[0] if len(opts) == 1 and isinstance(opts[0], OneBitOptimizer) else None
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         opt = self._one_bit_optimizer_or_none()

@@ -77,7 +77,6 @@ __all__ = [
     "BirderCallback",
     "ShardedTrainerMixin",
     "HSDPTrainer",
-    "birder_model_card_section",
 ]
 
 logger = logging.getLogger(__name__)
@@ -259,7 +258,8 @@ class BirderTrainerMixin(ShardedTrainerMixin):
         _check_supported_setup(self.args, birder_args, self)
         if self.args.max_grad_norm and self.args.max_grad_norm > 0:
             logger.warning(
-                "Birder: max_grad_norm=%s set to 0: .grad holds the 1-bit direction d, whose step lr bounds already.",
+                "Birder: max_grad_norm=%s set to 0: .grad holds the 1-bit direction d, whose step lr bounds already "
+                "(to clip each rank's gradient before it is encoded: BirderArguments(grad_clip=...)).",
                 self.args.max_grad_norm,
             )
             self.args.max_grad_norm = 0.0
@@ -419,8 +419,3 @@ def _check_supported_setup(args, b: BirderArguments, trainer=None) -> None:
 
 class BirderTrainer(BirderTrainerMixin, Trainer):
     """``transformers.Trainer`` that trains with Birder and its 1-bit hook (see the module docstring)."""
-
-
-def birder_model_card_section(opt, b: BirderArguments) -> str:
-    """Deprecated: ``birder_hf.model_card.model_card_section(opt, b.communication())``."""
-    return model_card_section(opt, b.communication())
