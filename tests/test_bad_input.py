@@ -802,8 +802,7 @@ def _hook_with_lr(rank):
 
 
 def _bad_process_group_method(rank):
-    with pytest.warns(FutureWarning):
-        Birder([_param()], process_group=dist.group.WORLD, comm_method="bogus")
+    Birder([_param()], process_group=dist.group.WORLD, method="bogus")
 
 
 def _ddp_hook_with_method(rank):

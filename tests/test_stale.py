@@ -148,31 +148,16 @@ def test_stale_modes_change_no_bit_of_coordinates_with_gradient_and_lazy_no_stat
         assert torch.equal(xs[stale].detach()[STALE:], xs["keep"].detach()[STALE:]), t  # gradient on every step
 
 
-def test_bad_stale_is_refused_and_lazy_is_its_deprecated_name():
+def test_bad_stale_is_refused_and_lazy_names_its_replacement():
     with pytest.raises(ValueError, match="stale"):
         Birder([torch.nn.Parameter(torch.zeros(2))], stale="yes")
     with pytest.raises(ValueError, match="stale"):
         Birder([{"params": [torch.nn.Parameter(torch.zeros(2))], "lazy": True}])
-    for lazy, stale in ((True, "lazy"), (False, "keep")):
-        with pytest.warns(FutureWarning, match="stale"):
-            opt = Birder([torch.nn.Parameter(torch.zeros(2))], lazy=lazy)
-        assert opt.param_groups[0]["stale"] == stale
-
-
-def test_lazy_follows_one_rule_in_birder_and_birder_arguments():
-    # issue 41: lazy=0 became "fade" (not "keep"), and lazy beside stale won in Birder but lost in BirderArguments
-    from birder_hf.integrations.transformers import BirderArguments
-
-    build = (
-        lambda **kw: Birder([torch.nn.Parameter(torch.zeros(2))], **kw),
-        lambda **kw: BirderArguments(**kw),
-    )
-    for make in build:
-        for kwargs, says in (({"lazy": 0}, "Invalid lazy=0"), ({"lazy": True, "stale": "keep"}, "Pass stale= only")):
-            with pytest.warns(FutureWarning), pytest.raises(ValueError, match=says):
-                make(**kwargs)
-    with pytest.warns(FutureWarning):
-        assert BirderArguments(lazy=False).stale == "keep"
+    # lazy= (the option's first name, never released) is an unknown setting that says what replaced it
+    with pytest.raises(TypeError, match='lazy=True.*stale="lazy"'):
+        Birder([torch.nn.Parameter(torch.zeros(2))], lazy=True)
+    with pytest.raises(TypeError, match="comm_method.*method="):
+        Birder([torch.nn.Parameter(torch.zeros(2))], comm_method="allgather")
 
 
 # --------------------------------------------------------------------------------------------- several ranks

@@ -48,7 +48,6 @@ in ``wire.py``, the ranks' agreement in ``agreement.py``, the callbacks' and pro
 from __future__ import annotations
 
 import numbers
-import warnings
 
 import torch
 
@@ -335,8 +334,6 @@ def _as_keys(keys, numel: int) -> BitKeys:
     return BitKeys.single(int(keys), 0, numel)
 
 
-_UNSET = object()
-
 
 def onebit_all_reduce(
     u: torch.Tensor,
@@ -349,7 +346,6 @@ def onebit_all_reduce(
     chunk_numel: int | None = None,
     stats: CommStats | None = None,
     out: torch.Tensor | None = None,
-    generator=_UNSET,
 ):
     """Binary-randomize each rank's ``u`` to 1 bit and all-reduce the bits to their mean.
 
@@ -373,7 +369,7 @@ def onebit_all_reduce(
             ``d`` in ``{-1, +1}`` (less inter-node traffic when k > 2).
         keys (`BitKeys`, `int` or `None`): the keys of every draw (per-parameter segments keep the
             bits independent of bucket layout); an int is ``BitKeys.single(seed, 0, u.numel())``; ``None``
-            draws a seed from torch's default generator. (``generator=`` is its deprecated old name.)
+            draws a seed from torch's default generator.
         async_op (`bool`): return a ``torch.futures.Future`` whose value is ``d`` (usable from a DDP
             communication hook) instead of ``d``.
         chunk_numel (`int`, *optional*): elements per round (>= 1), rounded down to a multiple of ``8·n``
@@ -397,13 +393,6 @@ def onebit_all_reduce(
 
         >>> d = onebit_all_reduce(u, topology=Topology.from_layout(2, 2), method="hierarchical", keys=7)
     """
-    if generator is not _UNSET:
-        warnings.warn(
-            "onebit_all_reduce(generator=...) is renamed keys=...; generator= goes away in the next release.",
-            FutureWarning,
-            stacklevel=2,
-        )
-        keys = generator
     settings = check_settings(method, inter_method, chunk_numel)
     if not isinstance(u, torch.Tensor) or not u.is_floating_point():
         raise TypeError(f"u must be a floating-point tensor (fp16/bf16/fp32/fp64), got {getattr(u, 'dtype', u)}")

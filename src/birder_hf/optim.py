@@ -64,20 +64,6 @@ DEFAULT_STALE = "fade"
 STALE_VOTE_MIN = 0.05
 
 
-def stale_from_lazy(stale: str | None, lazy) -> str | None:
-    """``stale`` from the deprecated ``lazy=`` (``True``: ``"lazy"``, ``False``: ``"keep"``), one rule for
-    :class:`Birder` and ``BirderArguments``: ``lazy`` must be a bool, and not given beside ``stale``."""
-    if lazy is None:
-        return stale
-    warnings.warn('lazy= is replaced by stale=: lazy=True is stale="lazy", lazy=False is stale="keep"', FutureWarning,
-                  stacklevel=3)  # fmt: skip
-    if not isinstance(lazy, bool):
-        raise ValueError(f'Invalid lazy={lazy!r}: pass stale="lazy" (lazy=True) or stale="keep" (lazy=False).')
-    if stale is not None:
-        raise ValueError(f"Pass stale= only (stale={stale!r} and the deprecated lazy={lazy!r} were both given).")
-    return "lazy" if lazy else "keep"
-
-
 def second_moment_keys(group: dict) -> tuple[str, str]:
     """The state keys of a param group's second moment and its max: ``b`` (the paper's ``beta2=None``) or ``v``."""
     return ("exp_avg_abs", "max_exp_avg_abs") if group.get("beta2") is None else ("exp_avg_sq", "max_exp_avg_sq")
@@ -171,7 +157,6 @@ class Birder(OneBitOptimizer):
             error, as above (one more fp32 buffer per parameter).
         stale (`str`, *optional*, defaults to `DEFAULT_STALE`): ``"fade"``, ``"lazy"`` or ``"keep"`` (the paper's),
             as above; ``docs/ALGORITHM.md``, "Coordinates that stop receiving gradient".
-        lazy (`bool`, *optional*): deprecated: ``lazy=True`` is ``stale="lazy"``, ``lazy=False`` is ``stale="keep"``.
         seed (`int`, *optional*): seed of the counter-based random bits, one per optimizer; by default
             ``torch.initial_seed()`` (the seed of ``torch.manual_seed``: runs are repeatable, two optimizers built
             alike step alike, as ``torch.optim``'s do, and building one draws no random number). Saved in
@@ -183,7 +168,7 @@ class Birder(OneBitOptimizer):
         process_group (`ProcessGroup`, *optional*): run the 1-bit all-reduce in ``step()`` over this group.
         topology (`birder_hf.Topology`, *optional*): as ``process_group``, with a node topology.
         method (`str`, *optional*, defaults to `"hierarchical"`): the ``onebit_all_reduce`` method used with
-            ``process_group``/``topology`` (``comm_method=`` is its deprecated old name).
+            ``process_group``/``topology``.
 
     Example::
 
@@ -236,7 +221,6 @@ class Birder(OneBitOptimizer):
         grad_clip: float | None = None,
         error_feedback: bool = False,
         stale: str | None = None,
-        lazy: bool | None = None,
         seed: int | None = None,
         foreach: bool | None = None,
         maximize: bool = False,
@@ -244,13 +228,8 @@ class Birder(OneBitOptimizer):
         process_group=None,
         topology=None,
         method: str | None = None,
-        comm_method: str | None = None,
         **unknown,
     ):
-        if comm_method is not None:
-            warnings.warn("Birder(comm_method=...) is renamed method=...", FutureWarning, stacklevel=2)
-            method = comm_method if method is None else method
-        stale = stale_from_lazy(stale, lazy)
         stale = DEFAULT_STALE if stale is None else stale
         distributed = topology is not None or process_group is not None
         error = None
@@ -258,7 +237,9 @@ class Birder(OneBitOptimizer):
             if unknown:  # a typo, or another optimizer's setting (timm and the Trainer pass them along): never ignored
                 key = next(iter(unknown))
                 hint = {"betas": "Birder has beta (m's EMA, 0.95) and, for the second-moment direction, beta2: pass "
-                                 "beta=0.95 (and beta2=0.999)"}  # fmt: skip
+                                 "beta=0.95 (and beta2=0.999)",
+                        "lazy": 'it is stale= now: stale="lazy" (lazy=True) or stale="keep" (lazy=False)',
+                        "comm_method": "it is method= now"}  # fmt: skip
                 known = "its settings are lr, beta, weight_decay, quantize, amsgrad, beta2, eps, grad_clip, "
                 known += "error_feedback, stale, seed, foreach, maximize"
                 raise TypeError(f"Birder got an unknown setting {key}={unknown[key]!r}: {hint.get(key, known)}.")

@@ -40,7 +40,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import warnings
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -60,7 +59,7 @@ from ..fsdp import register_birder_fsdp
 from ..hook import attach_ddp_hook
 from ..model_card import fix_trainer_card, model_card_section, optimizer_description
 from ..onebit_adam import OneBitAdam
-from ..optim import DEFAULT_STALE, Birder, stale_from_lazy
+from ..optim import DEFAULT_STALE, Birder
 from ..topology import Topology
 from . import needs_extra
 from .accelerate import check_really_distributed, report_skipped_step
@@ -125,7 +124,6 @@ class BirderArguments:
         default=DEFAULT_STALE,
         metadata={"help": "A 0 gradient: fade (vote decays by beta: bounded drift) | lazy (no vote) | keep (paper)."},
     )
-    lazy: bool | None = field(default=None, metadata={"help": "Deprecated: --stale lazy (true) or keep (false)."})
     quantize: bool = field(
         default=True, metadata={"help": "Binary randomization; False sends u itself (one process only, a reference)."}
     )
@@ -137,17 +135,10 @@ class BirderArguments:
         default="none",
         metadata={"help": "none (DDP: each rank holds the whole model) | hsdp (FSDP2 in each node, 1 bit across)."},
     )
-    comm_method: str | None = field(default=None, metadata={"help": "Deprecated name of --method."})
 
     optimizers: ClassVar[tuple[str, ...]] = OPTIMIZERS  # a recipe's subclass may add its uncompressed baselines
 
     def __post_init__(self):
-        if self.comm_method is not None:
-            warnings.warn("BirderArguments(comm_method=...) is renamed method=...", FutureWarning, stacklevel=3)
-            self.method, self.comm_method = self.comm_method, None
-        if self.lazy is not None:  # the same rule as Birder's (stale has a default here: given beside lazy, not set)
-            self.stale = stale_from_lazy(None if self.stale == DEFAULT_STALE else self.stale, self.lazy)
-            self.lazy = None
         # the same rules as the objects these settings build (set from Python, a value may have any type)
         if self.optimizer not in self.optimizers:
             raise ValueError(f"optimizer={self.optimizer!r}; choose one of {', '.join(self.optimizers)}.")
