@@ -334,7 +334,6 @@ def _as_keys(keys, numel: int) -> BitKeys:
     return BitKeys.single(int(keys), 0, numel)
 
 
-
 def onebit_all_reduce(
     u: torch.Tensor,
     *,
