@@ -6,19 +6,10 @@ import math
 
 import pytest
 import torch
+from test_optim import _grads, _params  # the one-process tests' parameters and gradients
 
 from birder_hf import Birder
 from birder_hf.reference import BirderReference
-
-
-def _params(seed=0, dtype=torch.float64, shapes=((13, 7), (29,), (3, 4, 5))):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(s, generator=g, dtype=dtype).requires_grad_() for s in shapes]
-
-
-def _grads(params, step, scale=1.0):
-    g = torch.Generator().manual_seed(1000 + step)
-    return [torch.randn(p.shape, generator=g, dtype=p.dtype) * scale for p in params]
 
 
 @pytest.mark.parametrize("stale", ["fade", "lazy", "keep"])
