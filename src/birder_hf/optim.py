@@ -372,8 +372,8 @@ class Birder(OneBitOptimizer):
         super().check_state_matches(params)
         for p in params:
             state, group = self.state.get(p), self.group_of(p)
-            if state and group is not None and second_moment_keys(group)[0] not in state:
-                second = second_moment_keys(group)[0]
+            second = second_moment_keys(group)[0] if group is not None else None
+            if state and second is not None and second not in state:
                 what = f"A parameter's state has no {second!r}, which beta2={group.get('beta2')!r} needs"
                 raise ValueError(explain(what, "keep the beta2 the state was built with (set it back), or start over"))
 
