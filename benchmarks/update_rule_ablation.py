@@ -69,34 +69,34 @@ def _run_recipe(variant: str, recipe_args: list[str]) -> None:
 
     import birder_hf.optim
 
-    birder_encode = birder_hf.optim.birder_encode
-
-    rule, _, beta2 = variant.removesuffix("-clip").partition("-b2_")
+    rule, clip = variant, ""
+    for suffix in ("-lagclip", "-tclip", "-clip"):
+        if variant.endswith(suffix):
+            rule, clip = variant.removesuffix(suffix), suffix[1:]
+            break
+    rule, _, beta2 = rule.partition("-b2_")
     if rule != "birder":
         birder_hf.optim.birder_encode = _adam_encode(rule == "adam-bounded", float(beta2 or 0.999))
     step = birder_hf.optim.Birder.step
-    if variant.endswith("-lagclip"):  # clipped by the previous step's global norm (what a bucket-wise hook knows)
-        rule = variant.removesuffix("-lagclip")
-        birder_hf.optim.birder_encode = _adam_encode(True)
+
+    def grads_of(opt):
+        return [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+
+    if clip == "lagclip":  # clipped by the previous step's global norm (what a bucket-wise hook knows)
         last = [0.0]
 
-        def lag_clipped_step(self, *args, **kwargs):
-            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        def clipped_step(self, *args, **kwargs):
+            grads = grads_of(self)
             norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
             if last[0] > 1.0:
                 torch._foreach_mul_(grads, 1.0 / last[0])
             last[0] = norm
             return step(self, *args, **kwargs)
 
-        birder_hf.optim.Birder.step = lag_clipped_step
-    if variant.endswith("-tclip"):  # each tensor's gradient clipped to its share of a global norm of 1
-        if variant.startswith("adam-bounded"):
-            birder_hf.optim.birder_encode = _adam_encode(True)
-        else:
-            birder_hf.optim.birder_encode = birder_encode
+    elif clip == "tclip":  # each tensor's gradient clipped to its share of a global norm of 1
 
-        def tensor_clipped_step(self, *args, **kwargs):
-            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        def clipped_step(self, *args, **kwargs):
+            grads = grads_of(self)
             total = sum(g.numel() for g in grads)
             for g in grads:
                 bound = (g.numel() / total) ** 0.5
@@ -105,14 +105,13 @@ def _run_recipe(variant: str, recipe_args: list[str]) -> None:
                     g.mul_(bound / norm)
             return step(self, *args, **kwargs)
 
-        birder_hf.optim.Birder.step = tensor_clipped_step
-    if variant.endswith("-clip"):  # the gradient clipped to a global norm of 1 before the step, as the Trainer does
+    elif clip == "clip":  # the gradient clipped to a global norm of 1 before the step, as the Trainer does
 
         def clipped_step(self, *args, **kwargs):
-            grads = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-            torch.nn.utils.clip_grad_norm_(grads, 1.0)
+            torch.nn.utils.clip_grad_norm_(grads_of(self), 1.0)
             return step(self, *args, **kwargs)
 
+    if clip:
         birder_hf.optim.Birder.step = clipped_step
     sys.argv = ["causal_lm.py", *recipe_args]
     runpy.run_path(str(ROOT / "recipes" / "causal_lm.py"), run_name="__main__")

@@ -78,7 +78,7 @@ class BirderStaging:
 
     def _buffers(self, p: torch.Tensor, state: dict, group: dict) -> StateBuffers:
         bufs = self._scratch.get(p)
-        amsgrad, feedback = group["amsgrad"], group.get("error_feedback", False)
+        amsgrad, feedback = group["amsgrad"], group["error_feedback"]
         if (
             bufs is None
             or bufs.exp_avg.shape != state["exp_avg"].shape
@@ -109,7 +109,7 @@ class BirderStaging:
         for group, ps, gs, vs in by_group.values():
             bufs = [self._buffers(p, opt.state[p], group) for p in ps]
             maxes = [b.max_exp_avg_abs for b in bufs] if group["amsgrad"] else None
-            errors = [b.error for b in bufs] if group.get("error_feedback") else None
+            errors = [b.error for b in bufs] if group["error_feedback"] else None
             staged = EncodeOut([b.exp_avg for b in bufs], [b.exp_avg_abs for b in bufs], maxes, vs, errors)
             opt.encode(group, ps, gs, out=staged, grad_scale=hook.loss_scale())
             for p, b, u in zip(ps, bufs, vs):

@@ -350,7 +350,7 @@ class Birder(OneBitOptimizer):
             beta=group["beta"],
             beta2=group["beta2"],
             eps=group["eps"],
-            steps=[int(s["step"]) + 1 for s in states],
+            steps=[int(s["step"]) + 1 for s in states] if group["beta2"] is not None else None,  # bias corrections
             clip_norms=clip_norms,
             maximize=group["maximize"],
             foreach=group["foreach"],
