@@ -120,6 +120,45 @@ def test_one_ranks_bad_file_stops_every_rank(tmp_path, how, kind, says):
         assert got_kind == kind and says in message and "rank_00001" in message, (got_kind, message)
         assert seconds < 10
     assert results[0][1].startswith("rank 1 of 2 could not load its Birder state")
+    assert results[0][:2] == results[1][:2]  # the same error on every rank, the rank that failed included
+
+
+def _raise_together(rank, world, failures, describe):
+    from birder_hf.together import raise_together
+
+    how = (lambda r, message: f"rank {r} of {world} lost its file: {message}") if describe else None
+    try:
+        return "returned", raise_together(failures.get(rank), dist.group.WORLD, payload=10 * rank, describe=how), None
+    except Exception as exc:
+        return type(exc).__name__, str(exc), type(exc.__cause__).__name__ if exc.__cause__ is not None else None
+
+
+@pytest.mark.parametrize(
+    "failures, describe, want",
+    [
+        ({}, False, ("returned", [0, 10, 20])),  # nobody failed: every rank's payload, in rank order
+        # the lowest failed rank's error on every rank; a type outside SHARED_ERRORS is a RuntimeError naming it
+        ({1: KeyError("k"), 2: FileNotFoundError("x")}, False, ("RuntimeError", "rank 1: KeyError: 'k'")),
+        ({r: ValueError("same") for r in range(3)}, False, ("ValueError", "same")),  # alike everywhere: no rank named
+        ({2: FileNotFoundError("gone")}, True, ("FileNotFoundError", "rank 2 of 3 lost its file: gone")),
+    ],
+)
+def test_raise_together_gives_every_rank_the_same_error(failures, describe, want):
+    results = run_distributed(_raise_together, 3, failures, describe, timeout=60)
+    for rank, (kind, value, cause) in enumerate(results):
+        assert (kind, value) == want, (rank, kind, value)
+        # this rank's own failure is the cause of what it raises; a rank that did not fail has none
+        assert cause == (type(failures[rank]).__name__ if rank in failures else None), (rank, cause)
+
+
+def test_raise_together_alone_raises_the_error_itself():
+    from birder_hf.together import raise_together
+
+    error = KeyError("k")
+    with pytest.raises(KeyError) as info:
+        raise_together(error, None)
+    assert info.value is error
+    assert raise_together(None, None, payload="p") == ["p"]
 
 
 def _free_port():

@@ -43,6 +43,7 @@ import warnings
 import torch
 
 from .base import OneBitOptimizer, explain, unwrap_optimizer
+from .together import gather, raise_together, world_group
 
 __all__ = [
     "save_rank_state",
@@ -221,18 +222,6 @@ def read_rank_state(
     return payload["optimizer"]
 
 
-def gather_reports(report, world_size: int) -> list:
-    """Every rank's ``report`` in rank order (one ``all_gather_object``), so that all ranks judge the same table and
-    raise together; ``[report]`` unless ``torch.distributed`` runs ``world_size`` > 1 ranks."""
-    import torch.distributed as dist
-
-    if world_size > 1 and dist.is_available() and dist.is_initialized() and dist.get_world_size() == world_size:
-        table: list = [None] * world_size
-        dist.all_gather_object(table, report)
-        return table
-    return [report]
-
-
 def read_own_rank_state(optimizer, checkpoint_dir: str, *, rank: int | None = None, world_size: int | None = None):
     """:func:`read_rank_state`, checked against ``optimizer`` (what its ``load_state_dict`` would refuse), on every
     rank together: if any rank's file is missing, unreadable or does not fit, every rank raises that rank's error
@@ -246,14 +235,8 @@ def read_own_rank_state(optimizer, checkpoint_dir: str, *, rank: int | None = No
         opt.check_state_dict(state)
     except Exception as exc:  # reported to every rank below
         failure = exc
-    report = None if failure is None else (type(failure).__name__, str(failure))
-    first = next(((r, row) for r, row in enumerate(gather_reports(report, world_size)) if row is not None), None)
-    if first is not None and failure is None:
-        r, (kind, message) = first
-        error = {"FileNotFoundError": FileNotFoundError, "ValueError": ValueError, "TypeError": TypeError}
-        raise error.get(kind, RuntimeError)(f"rank {r} of {world_size} could not load its Birder state: {message}")
-    if failure is not None:
-        raise failure
+    describe = lambda r, message: f"rank {r} of {world_size} could not load its Birder state: {message}"  # noqa: E731
+    raise_together(failure, world_group(world_size), describe=describe)
     return state
 
 
@@ -373,7 +356,7 @@ def mark_checkpoint_complete(
     if failed is not None:
         why = f"{type(failed).__name__}: {failed}" if isinstance(failed, BaseException) else failed
         mine = f"rank {rank} failed to write its files ({why})"
-    rows = gather_reports((mine, own_digest), world_size)
+    rows = gather((mine, own_digest), world_group(world_size))
     missing = [problem for problem, _ in rows if problem is not None]
     if missing:
         if isinstance(failed, BaseException):
@@ -587,6 +570,7 @@ def claim_output_dir(folder: str, *, holder: bool | None = None, world_size: int
     rank, world_size = _rank_and_world(None, world_size)
     holder = rank == 0 if holder is None else holder
     mine = _take_lock(folder) if holder else None
-    problems = [f"rank {r}: {p}" if world_size > 1 else p for r, p in enumerate(gather_reports(mine, world_size)) if p]
+    rows = gather(mine, world_group(world_size))
+    problems = [f"rank {r}: {p}" if world_size > 1 else p for r, p in enumerate(rows) if p]
     if problems:
         raise RuntimeError("; ".join(problems))

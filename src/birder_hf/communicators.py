@@ -25,6 +25,7 @@ from .base import Communicator, OneBitOptimizer, Update, all_finite, explain, lo
 from .collectives import check_agreement, onebit_all_reduce
 from .lifecycle import then
 from .settings import DEFAULT_METHOD, CommSettings, check_settings
+from .together import raise_together
 from .topology import Topology
 from .wire import CommStats, Job, Wire, launch_in_order
 
@@ -60,7 +61,6 @@ def agree(flags: torch.Tensor, group) -> torch.Tensor:
 # the first other collective of the set-up (building a topology's groups), and every rank judges the same table. So a
 # bad value on one rank stops every rank at once, with the same error, instead of leaving the others waiting in a
 # collective until the process-group timeout; and ranks set up differently fail instead of drifting apart.
-_SHARED_ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "RuntimeError": RuntimeError}
 
 
 def setup_group(topology=None, process_group=None, agree_group=None):
@@ -98,27 +98,13 @@ def agree_setup(
 
     Collective (one ``all_gather_object``) over ``group``, which every member calls at the same point of its set-up,
     with its ``settings`` (:func:`communicator_settings`) or the ``error`` its own checks raised. If a rank had an
-    error, every rank raises it (its type; ``"rank r: "`` before the message unless every rank had the same one); if
-    the settings differ, every rank raises the same ``ValueError`` naming them. ``group`` ``None`` or of one rank:
-    no exchange, just ``error`` (also where this rank is not a member of ``group``: nobody there waits for it).
+    error, every rank raises it (:func:`birder_hf.together.raise_together`); if the settings differ, every rank
+    raises the same ``ValueError`` naming them. ``group`` ``None`` or of one rank: no exchange, just ``error`` (also
+    where this rank is not a member of ``group``: nobody there waits for it).
     """
-    if group is None or dist.get_rank(group) < 0 or dist.get_world_size(group) == 1:
-        if error is not None:
-            raise error
+    rows = raise_together(error, group, settings)
+    if len(rows) == 1:
         return
-    row = (None, None, settings) if error is None else (type(error).__name__, str(error), None)
-    table: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(table, row, group=group)
-    failed = [(r, kind, message) for r, (kind, message, _) in enumerate(table) if kind is not None]
-    if failed:
-        r, kind, message = failed[0]
-        if len(failed) < len(table) or any((k, m) != (kind, message) for _, k, m in failed):
-            message = f"rank {r}: {message}"
-        cls = _SHARED_ERRORS.get(kind)
-        if cls is None:
-            cls, message = RuntimeError, f"{kind}: {message}"
-        raise cls(message) from error
-    rows = [row[2] for row in table]
     keys = list(dict.fromkeys(k for row in rows for k in row))
     differ = [k for k in keys if any(row.get(k) != rows[0].get(k) for row in rows)]
     if differ:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from .base import explain
 from .lifecycle import track_groups, untrack_groups, wait_for_callbacks
+from .together import gather
 
 __all__ = ["Topology"]
 
@@ -179,8 +180,7 @@ class Topology:
         problem = _layout_problem(where, num_nodes, local_world_size, world)
         if world > 1:
             # gather first, then every rank judges the same table: all raise together, none waits for the others
-            table: list = [None] * world
-            dist.all_gather_object(table, (repr(num_nodes), repr(local_world_size), problem))
+            table = gather((repr(num_nodes), repr(local_world_size), problem), dist.group.WORLD)
             problems = [(r, row[2]) for r, row in enumerate(table) if row[2]]
             if problems:
                 r, problem = problems[0]
@@ -215,8 +215,7 @@ class Topology:
             except ValueError:
                 errors.append(f"{name}={raw!r} is not an integer")
         # Gather first, then every rank judges the same table: all raise together, none hangs.
-        table: list = [None] * world
-        dist.all_gather_object(table, (dist.get_rank(), values, errors))
+        table = gather((dist.get_rank(), values, errors), dist.group.WORLD)
         problem = _check_env_table(table, world)
         if problem:
             fix = "torchrun and accelerate set LOCAL_WORLD_SIZE, GROUP_RANK and LOCAL_RANK: with another launcher "

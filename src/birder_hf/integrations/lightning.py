@@ -52,7 +52,6 @@ from ..checkpoint import (
     checkpoint_step,
     claim_output_dir,
     clear_completion_marker,
-    gather_reports,
     mark_checkpoint_complete,
     read_own_rank_state,
     save_rank_state,
@@ -62,6 +61,7 @@ from ..communicators import HookState
 from ..hook import BirderHookState, attach_ddp_hook
 from ..onebit_adam import OneBitAdam
 from ..optim import Birder
+from ..together import gather, world_group
 from ..topology import Topology
 from . import needs_extra
 
@@ -350,7 +350,7 @@ class BirderDDPStrategy(DDPStrategy):
         problem = None
         if os.path.isdir(birder_state_dir(path)):
             problem = _lightning_checkpoint_problem(path)
-        reports = gather_reports((path, problem), self.world_size)
+        reports = gather((path, problem), world_group(self.world_size))
         paths = {p for p, _ in reports}
         if len(paths) > 1:
             what = f"The ranks would resume from different checkpoints ({', '.join(sorted(paths))})"
