@@ -7,9 +7,9 @@ count), gives Birder a state (one step), and times, side by side in one process,
 
 - ``save``: what a checkpoint costs without the marker, ``model.save_pretrained`` (safetensors) plus
   :func:`~birder_hf.checkpoint.save_rank_state` (Birder's ``m`` and ``b``, fsynced);
-- ``mark``: :func:`~birder_hf.checkpoint.mark_checkpoint_complete`, which now hashes every file, against the sizes
+- ``mark``: :func:`~birder_hf.elastic.mark_checkpoint_complete`, which now hashes every file, against the sizes
   alone (the marker before the checksum);
-- ``discover``: :func:`~birder_hf.checkpoint.checkpoint_problem`, what ``--resume_from_checkpoint auto`` runs on the
+- ``discover``: :func:`~birder_hf.elastic.checkpoint_problem`, what ``--resume_from_checkpoint auto`` runs on the
   checkpoint it resumes from (it reads every listed file once), and ``read``: :func:`read_rank_state`, which hashes
   the rank's own file before loading it.
 
@@ -52,14 +52,8 @@ def main(argv=None) -> dict:
     from transformers import BertConfig, BertForQuestionAnswering
 
     from birder_hf import Birder
-    from birder_hf.checkpoint import (
-        _checkpoint_files,
-        checkpoint_problem,
-        file_sha256,
-        mark_checkpoint_complete,
-        read_rank_state,
-        save_rank_state,
-    )
+    from birder_hf.checkpoint import file_sha256, read_rank_state, save_rank_state
+    from birder_hf.elastic import _checkpoint_files, checkpoint_problem, mark_checkpoint_complete
 
     torch.manual_seed(0)
     model = BertForQuestionAnswering(BertConfig())

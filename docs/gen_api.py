@@ -34,6 +34,8 @@ MODULES = [
     "birder_hf.lifecycle",
     "birder_hf.quantize",
     "birder_hf.checkpoint",
+    "birder_hf.elastic",
+    "birder_hf.together",
     "birder_hf.fsdp",
     "birder_hf.onebit_adam",
     "birder_hf.communicators",

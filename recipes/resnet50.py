@@ -39,8 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from embedded_data import write_digits_image_folder  # noqa: E402
 
 from birder_hf import Birder, OneBitAdam, Topology  # noqa: E402
-from birder_hf.checkpoint import claim_output_dir  # noqa: E402
 from birder_hf.collectives import check_settings, release_process_groups  # noqa: E402
+from birder_hf.elastic import claim_output_dir  # noqa: E402
 from birder_hf.integrations.accelerate import (  # noqa: E402
     check_really_distributed,
     load_resumable_state,

@@ -18,7 +18,8 @@ from _dist import run_distributed
 from test_integrations import Regression, TinyRegressor, _launcher_env, _opt_state, _same_state
 
 from birder_hf import Birder
-from birder_hf.checkpoint import MARKER, checkpoint_problem, rank_state_path
+from birder_hf.checkpoint import MARKER, rank_state_path
+from birder_hf.elastic import checkpoint_problem
 
 pytest.importorskip("accelerate")
 
@@ -66,7 +67,7 @@ def _run(rank, world, project, mode):
                 errors.append(str(exc))
         return {"errors": errors, "saved": os.path.exists(os.path.join(project, "checkpoints"))}
     batches = list(loader)
-    records = _logged("birder_hf.checkpoint")
+    records = _logged("birder_hf.elastic")
     start, chosen = 0, None
     if mode == "manual":
         acc.load_state(os.path.join(project, "checkpoints", "checkpoint_1"))
@@ -121,8 +122,11 @@ def test_save_state_marks_complete_and_auto_resume_continues_bit_for_bit(tmp_pat
         assert all(torch.equal(x, y) for x, y in zip(a["params"], s["params"]))  # as if never interrupted
         assert _same_state(a["state"], m["state"]) and _same_state(a["state"], s["state"])  # this rank's m, b
     log = auto[0]["log"]
-    assert ("WARNING", f"Not resuming from {broken} (no {MARKER}: the job stopped while writing it, or it predates "
-            "completion markers); it is left as it is.") in log
+    assert (
+        "WARNING",
+        f"Not resuming from {broken} (no {MARKER}: the job stopped while writing it, or it predates "
+        "completion markers); it is left as it is.",
+    ) in log
     assert ("INFO", f"Resuming from {ckpts}/checkpoint_1, the newest checkpoint complete on every rank.") in log
     # the save after the resume became checkpoint_3 (accelerate would have tried checkpoint_0 again); the incomplete
     # checkpoint_2 was left alone, checkpoint_1 rotated away once checkpoint_3 was complete
@@ -160,7 +164,7 @@ def _fails(rank, world, project, other):
     model, opt = acc.prepare(model, Birder(model.parameters(), lr=0.01, seed=3))
     register_birder_hook(acc, model, opt)
     acc.register_for_checkpointing(_FailsOnRank1AtTheSecondSave(rank))
-    records = _logged("birder_hf.checkpoint")
+    records = _logged("birder_hf.elastic")
     result = {}
     acc.save_state()  # checkpoint_0
     try:
@@ -215,11 +219,17 @@ def test_a_rank_that_fails_to_save_fails_every_rank_without_a_marker_and_nothing
     log = r0["log"]
     step_1 = os.path.join(other, "step_1")
     assert log == [
-        ("WARNING", f"Not resuming from {broken} (no {MARKER}: the job stopped while writing it, or it predates "
-         "completion markers); it is left as it is."),
+        (
+            "WARNING",
+            f"Not resuming from {broken} (no {MARKER}: the job stopped while writing it, or it predates "
+            "completion markers); it is left as it is.",
+        ),
         ("INFO", f"Resuming from {ckpts}/checkpoint_0, the newest checkpoint complete on every rank."),
-        ("WARNING", f"Not resuming from {step_1} (no {MARKER}: the job stopped while writing it, or it predates "
-         "completion markers); it is left as it is."),
+        (
+            "WARNING",
+            f"Not resuming from {step_1} (no {MARKER}: the job stopped while writing it, or it predates "
+            "completion markers); it is left as it is.",
+        ),
         ("INFO", f"No complete checkpoint in {other}: starting fresh."),
         ("INFO", f"No complete checkpoint in {other}/absent: starting fresh."),
     ]

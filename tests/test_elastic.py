@@ -18,16 +18,8 @@ from safetensors.torch import load_file
 from test_recipes import BERT_TINY, LM_TINY, ROOT, _free_port, _torchrun
 
 from birder_hf import Birder
-from birder_hf.checkpoint import (
-    MARKER,
-    SUBDIR,
-    checkpoint_problem,
-    file_sha256,
-    find_resumable_checkpoint,
-    load_rank_state,
-    mark_checkpoint_complete,
-    save_rank_state,
-)
+from birder_hf.checkpoint import MARKER, SUBDIR, file_sha256, load_rank_state, save_rank_state
+from birder_hf.elastic import checkpoint_problem, find_resumable_checkpoint, mark_checkpoint_complete
 
 
 def _checkpoint(folder, *, world_size=1, marked=True):
@@ -53,7 +45,7 @@ def test_the_newest_complete_checkpoint_is_chosen_and_the_incomplete_ones_are_na
     _checkpoint(os.path.join(out, "checkpoint-16"), world_size=2)
     os.unlink(os.path.join(out, "checkpoint-16", SUBDIR, "rank_00001-of-00002.pt"))
     os.makedirs(os.path.join(out, "checkpoint-20-tmp"))  # not a checkpoint folder name
-    with caplog.at_level(logging.INFO, logger="birder_hf.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="birder_hf.elastic"):
         assert find_resumable_checkpoint(out) == four
     text = caplog.text
     assert f"Resuming from {four}, the newest checkpoint complete on every rank" in text
@@ -66,7 +58,7 @@ def test_the_newest_complete_checkpoint_is_chosen_and_the_incomplete_ones_are_na
     with open(os.path.join(four, MARKER), "w") as f:
         f.write("{")  # a marker cut short cannot happen (atomic rename), a damaged one is refused all the same
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="birder_hf.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="birder_hf.elastic"):
         assert find_resumable_checkpoint(out) is None
     assert f"No complete checkpoint in {out}: starting fresh." in caplog.text
     assert "checkpoint-4 (its birder_complete.json is unreadable" in caplog.text
@@ -94,7 +86,7 @@ def test_a_rank_file_rewritten_in_place_at_the_same_size_is_caught_by_its_checks
     other = Birder([torch.nn.Parameter(torch.ones(3))], lr=0.2)  # another state of the same layout
     os.rename(save_rank_state(other, str(tmp_path / "elsewhere"), rank=0, world_size=1), path)
     assert os.path.getsize(path) == size  # sizes alone saw nothing
-    with caplog.at_level(logging.INFO, logger="birder_hf.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="birder_hf.elastic"):
         assert find_resumable_checkpoint(out) == older
     assert f"checkpoint-8 ({rel} was changed after it was marked complete" in caplog.text
     with pytest.raises(RuntimeError, match="was changed after it was marked complete.*resume from another checkpoint"):
@@ -105,7 +97,7 @@ def test_a_rank_file_rewritten_in_place_at_the_same_size_is_caught_by_its_checks
 _HOLD = """
 import os, sys, time
 sys.path.insert(0, {src!r})
-from birder_hf.checkpoint import claim_output_dir
+from birder_hf.elastic import claim_output_dir
 claim_output_dir({folder!r})
 if {orphan!r} and os.fork() == 0:  # a data loader worker: it keeps the lock a while after its parent died
     time.sleep(3)
@@ -123,7 +115,7 @@ def _holder(folder, *, orphan=False, then="sys.stdin.read()"):
 
 
 def test_an_output_dir_another_job_writes_is_refused_until_that_job_ends(tmp_path):
-    from birder_hf.checkpoint import LOCK, claim_output_dir
+    from birder_hf.elastic import LOCK, claim_output_dir
 
     out = str(tmp_path / "out")
     other = _holder(out)
@@ -253,7 +245,12 @@ def test_bert_recipe_restarts_by_itself_after_sigkills_and_ends_bitwise_like_one
     seen = _events(events)
     assert [(e["restart"], e["rank"], e["step"]) for e in seen if e["event"] == "kill"] == [(0, 1, 6), (1, 0, 8)]
     assert sorted((e["restart"], e["step"]) for e in seen if e["event"] == "first_step") == [
-        (0, 0), (0, 0), (1, 4), (1, 4), (2, 4), (2, 4)
+        (0, 0),
+        (0, 0),
+        (1, 4),
+        (1, 4),
+        (2, 4),
+        (2, 4),
     ]
     for step in (4, 8, 12):
         assert checkpoint_problem(os.path.join(a, f"checkpoint-{step}")) is None

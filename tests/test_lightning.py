@@ -20,7 +20,8 @@ import torch
 pytest.importorskip("lightning")
 
 from birder_hf import Birder, OneBitAdam  # noqa: E402
-from birder_hf.checkpoint import MARKER, checkpoint_problem  # noqa: E402
+from birder_hf.checkpoint import MARKER
+from birder_hf.elastic import checkpoint_problem  # noqa: E402
 from birder_hf.integrations import lightning as birder_lightning  # noqa: E402
 from birder_hf.integrations.lightning import (  # noqa: E402
     BirderDDPStrategy,

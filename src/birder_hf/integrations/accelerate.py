@@ -32,18 +32,17 @@ import re
 import shutil
 
 from ..base import OneBitOptimizer, explain, unwrap_optimizer
-from ..checkpoint import (
+from ..checkpoint import read_own_rank_state, save_rank_state
+from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, check_settings
+from ..communicators import agree_setup, setup_group
+from ..elastic import (
     claim_output_dir,
     clear_completion_marker,
     find_resumable_checkpoint,
     mark_checkpoint_complete,
     numbered_checkpoints,
     on_rank_zero,
-    read_own_rank_state,
-    save_rank_state,
 )
-from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, check_settings
-from ..communicators import agree_setup, setup_group
 from ..fsdp import register_birder_fsdp
 from ..hook import attach_ddp_hook
 from ..topology import Topology
@@ -203,7 +202,7 @@ def load_resumable_state(accelerator, checkpoints_dir: str | os.PathLike | None 
 
     The checkpoints are the sub-folders named letters, ``_`` or ``-``, then a number in ASCII digits without a leading
     zero, of one naming scheme (two raise ``ValueError``), highest first (as accelerate orders them); the
-    first one marked complete (``birder_hf.checkpoint.checkpoint_problem``) is loaded, newer incomplete ones are named
+    first one marked complete (``birder_hf.elastic.checkpoint_problem``) is loaded, newer incomplete ones are named
     in a warning. With automatic naming, the next ``save_state`` goes after the highest number present (accelerate
     would write ``checkpoint_0`` again). Collective: rank 0's choice is every rank's.
     """

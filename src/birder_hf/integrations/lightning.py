@@ -45,19 +45,17 @@ import shutil
 from typing import Any
 
 from ..base import OneBitOptimizer, explain
-from ..checkpoint import (
-    MARKER,
+from ..checkpoint import MARKER, read_own_rank_state, save_rank_state
+from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, check_settings
+from ..communicators import HookState
+from ..elastic import (
     check_search_folder,
     checkpoint_problem,
     checkpoint_step,
     claim_output_dir,
     clear_completion_marker,
     mark_checkpoint_complete,
-    read_own_rank_state,
-    save_rank_state,
 )
-from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, check_settings
-from ..communicators import HookState
 from ..hook import BirderHookState, attach_ddp_hook
 from ..onebit_adam import OneBitAdam
 from ..optim import Birder

@@ -14,7 +14,7 @@ writes every rank's Birder state into the very folder the Trainer saves to (``ru
 hyperparameter search), inside the checkpoint step (a callback's ``on_save`` runs after the Trainer has marked the
 checkpoint complete and rotated old ones away, so a failed write there could leave no complete checkpoint);
 ``_save_checkpoint`` says when the disk is full and marks the checkpoint complete once every rank has written it
-(``birder_hf.checkpoint.mark_checkpoint_complete``; old checkpoints are rotated away only after that), so that
+(``birder_hf.elastic.mark_checkpoint_complete``; old checkpoints are rotated away only after that), so that
 ``train(resume_from_checkpoint="auto")`` (``--resume_from_checkpoint auto``: what an elastic restart runs) resumes
 from the newest checkpoint complete on every rank, or starts fresh; ``_get_grad_norm`` (see below).
 For your own Trainer subclass: ``class MyTrainer(BirderTrainerMixin, Seq2SeqTrainer): ...``.
@@ -44,17 +44,10 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..base import OneBitOptimizer, explain, is_integer, unwrap_optimizer
-from ..checkpoint import (
-    claim_output_dir,
-    clear_completion_marker,
-    disk_full_error,
-    find_resumable_checkpoint,
-    mark_checkpoint_complete,
-    read_own_rank_state,
-    save_rank_state,
-)
+from ..checkpoint import disk_full_error, read_own_rank_state, save_rank_state
 from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, check_settings
 from ..communicators import HookState
+from ..elastic import claim_output_dir, clear_completion_marker, find_resumable_checkpoint, mark_checkpoint_complete
 from ..fsdp import register_birder_fsdp
 from ..hook import attach_ddp_hook
 from ..model_card import fix_trainer_card, model_card_section, optimizer_description
