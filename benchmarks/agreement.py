@@ -60,13 +60,13 @@ def _rank(rank: int, world: int, init: str, numel: int, calls: int, lookups: int
         for _ in range(20):
             dist.barrier(group=topo.world_group)
             t0 = time.perf_counter()
-            agreement.agree(topo, signature, u.device)
+            agreement.check_signature(topo, signature, u.device)
             exchanges.append(time.perf_counter() - t0)
         per_lookup = []
         for _ in range(7):
             t0 = time.perf_counter()
             for _ in range(lookups):  # what a later call adds: build its signature, find it
-                agreement.claim(topo, agreement.signature_of(topo, numel, "allgather", "allgather", 0, u.dtype))
+                agreement.needs_check(topo, agreement.signature_of(topo, numel, "allgather", "allgather", 0, u.dtype))
             per_lookup.append((time.perf_counter() - t0) / lookups)
         queue.put(
             (

@@ -19,7 +19,7 @@ from .settings import INTER_METHODS, METHODS
 from .topology import Topology
 from .wire import Wire
 
-__all__ = ["signature_of", "claim", "agree"]  # the public door is collectives.check_agreement
+__all__ = ["signature_of", "needs_check", "check_signature"]  # the public door is collectives.check_agreement
 
 _SIGNATURE = ("numel", "method", "inter_method", "chunk_numel", "dtype", "num_nodes", "local_world_size")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -41,7 +41,7 @@ def signature_of(topo: Topology, numel: int, method: str, inter_method: str, ste
     )
 
 
-def claim(topo: Topology, signature: tuple) -> bool:
+def needs_check(topo: Topology, signature: tuple) -> bool:
     """Whether this call must check ``signature`` with the other ranks: ``True`` on its first use on the topology's
     world group, which also records it (decided at call time, so every rank decides alike whatever the timing)."""
     if topo.world_size == 1:
@@ -59,7 +59,7 @@ def claim(topo: Topology, signature: tuple) -> bool:
         return True
 
 
-def agree(topo: Topology, signature: tuple, device: torch.device) -> None:
+def check_signature(topo: Topology, signature: tuple, device: torch.device) -> None:
     """Exchange ``signature`` with every rank of the topology; all raise the same ``ValueError`` if they differ."""
     mine = torch.tensor(signature, dtype=torch.int64, device=device)
     table = Wire(topo, None).all_gather_sync(mine, "world")  # not counted: no bytes of the all-reduce

@@ -106,12 +106,13 @@ class GroupGrads(NamedTuple):
 
 
 class Update(NamedTuple):
-    """What ``step()`` applies to one param group: one synchronized direction per parameter (1-bit Adam's hook: its
-    record of the parameter's exchange). Every communicator's ``finish_step`` returns a list of them, or ``None``."""
+    """What ``step()`` applies to one param group: what the exchange gave each parameter, ``exchanged`` (Birder: its
+    synchronized direction ``d``; 1-bit Adam's hook: its record of the exchange). Every communicator's
+    ``finish_step`` returns a list of them, or ``None``."""
 
     group: dict
     params: list[torch.Tensor]
-    directions: list[torch.Tensor]
+    exchanged: list[torch.Tensor]
 
 
 def unwrap_optimizer(optimizer):

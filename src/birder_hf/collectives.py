@@ -51,7 +51,7 @@ import numbers
 
 import torch
 
-from .agreement import agree, claim, signature_of
+from .agreement import check_signature, needs_check, signature_of
 from .lifecycle import release_process_groups, wait_for_callbacks
 from .quantize import (
     STAGE_INTER_SHARD,
@@ -307,11 +307,11 @@ def check_agreement(
     plan, _, _, chunked = _layout(topo, numel, settings)
     check_device(topo.world_group, torch.device(device))
     signature = signature_of(topo, numel, plan.name, settings.inter_method, chunked, dtype)
-    if not claim(topo, signature):
+    if not needs_check(topo, signature):
         return
 
     def start(wire):
-        agree(topo, signature, torch.device(device))
+        check_signature(topo, signature, torch.device(device))
         return None, DONE
 
     launch_in_order(topo, Job(Wire(topo, None), start, lambda wire, recv: None), async_op=False)
@@ -414,7 +414,7 @@ def onebit_all_reduce(
     plan_class, padded, step, chunked = _layout(topo, numel, settings)
     # the first call with these arguments checks that every rank passed the same (then a cache lookup)
     signature = signature_of(topo, numel, plan_class.name, settings.inter_method, chunked, u.dtype)
-    check = claim(topo, signature)
+    check = needs_check(topo, signature)
     if stats is not None:
         stats.calls += 1
         stats.fp32_allreduce_bytes += fp32_allreduce_bytes(numel, n)
@@ -439,7 +439,7 @@ def onebit_all_reduce(
 
     def start(wire):
         if check:
-            agree(topo, signature, u.device)
+            check_signature(topo, signature, u.device)
         if not chunks:
             return None, DONE
         return plan.start(wire, *chunks[0])

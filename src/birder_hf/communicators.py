@@ -34,10 +34,10 @@ __all__ = [
     "DDPBuckets",
     "StepAllReduce",
     "UsageMarks",
-    "agree",
+    "max_over_ranks",
     "agree_setup",
     "setup_group",
-    "communicator_settings",
+    "setup_record",
 ]
 
 
@@ -48,7 +48,7 @@ def _nonfinite_flag(t: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(torch.stack(torch.aminmax(t))).all()
 
 
-def agree(flags: torch.Tensor, group) -> torch.Tensor:
+def max_over_ranks(flags: torch.Tensor, group) -> torch.Tensor:
     """Element-wise maximum of ``flags`` (float64) over ``group`` (``None``: just this rank): any rank's 1 wins."""
     if group is not None:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
@@ -78,7 +78,7 @@ def setup_group(topology=None, process_group=None, agree_group=None):
     return dist.group.WORLD
 
 
-def communicator_settings(kind: str, optimizer, layout: tuple[int, int], **own) -> dict:
+def setup_record(kind: str, optimizer, layout: tuple[int, int], **own) -> dict:
     """What every rank's communicator must share: its kind and own settings, the node layout, and the optimizer's
     parameter shapes and settings (but ``seed`` and ``foreach``, which change the result on no rank)."""
     out = {"communicator": kind, **own, "layout": tuple(layout)}
@@ -92,17 +92,17 @@ def communicator_settings(kind: str, optimizer, layout: tuple[int, int], **own) 
 
 
 def agree_setup(
-    group, settings: dict | None, error: Exception | None = None, *, what: str, fix: str = "pass the same settings"
+    group, record: dict | None, error: Exception | None = None, *, what: str, fix: str = "pass the same settings"
 ) -> None:
     """Agree a communicator's set-up with every rank of ``group``; raise on every rank, or on none.
 
     Collective (one ``all_gather_object``) over ``group``, which every member calls at the same point of its set-up,
-    with its ``settings`` (:func:`communicator_settings`) or the ``error`` its own checks raised. If a rank had an
-    error, every rank raises it (:func:`birder_hf.together.raise_together`); if the settings differ, every rank
+    with its ``record`` (:func:`setup_record`) or the ``error`` its own checks raised. If a rank had an
+    error, every rank raises it (:func:`birder_hf.together.raise_together`); if the records differ, every rank
     raises the same ``ValueError`` naming them. ``group`` ``None`` or of one rank: no exchange, just ``error`` (also
     where this rank is not a member of ``group``: nobody there waits for it).
     """
-    rows = raise_together(error, group, settings)
+    rows = raise_together(error, group, record)
     if len(rows) == 1:
         return
     keys = list(dict.fromkeys(k for row in rows for k in row))
@@ -193,9 +193,10 @@ class HookState(Communicator):
     """Base of every hook state: Birder's DDP hook (:class:`birder_hf.BirderHookState`), 1-bit Adam's
     (:class:`birder_hf.OneBitAdamHookState`) and Birder's FSDP hook (:class:`birder_hf.fsdp.FSDPHookState`).
 
-    It owns what every hook does per step: the set-up agreement, the staged records (:meth:`claim`, :meth:`stage`;
-    ``step()`` commits them), the ranks' agreement, the loss scale and the statistics. Its subclasses own where the
-    gradients come from (a :class:`DDPBuckets`; FSDP's units) and turn :meth:`take_staged` into ``finish_step``.
+    It owns what every hook does per step: the set-up agreement, the staged records (:meth:`group_to_stage`,
+    :meth:`stage`; ``step()`` commits them), the ranks' agreement, the loss scale and the statistics. Its subclasses
+    own where the gradients come from (a :class:`DDPBuckets`; FSDP's units) and turn :meth:`take_staged` into
+    ``finish_step``.
     How the ranks agree on non-finite gradients and unused parameters, and fp16 loss scaling: ``docs/ARCHITECTURE.md``
     ("The contract", items 4 and 5, and the paragraph on ``HookState`` after it).
 
@@ -251,7 +252,7 @@ class HookState(Communicator):
         # both checked in _check_setup (bool('no') is True, bool(None) False); comm_settings: the hook's 1-bit
         # all-reduce settings, (method, inter_method, chunk_numel) or a CommSettings (None: 1-bit Adam's hook)
         self.check_finite, self.comm_settings = check_finite, comm_settings
-        error = settings = None  # this rank's checks, then one exchange with the others (agree_setup, "set-up" above)
+        error = record = None  # this rank's checks, then one exchange with the others (agree_setup, "set-up" above)
         try:
             self._check_setup(optimizer, topology)
             self.grad_scaler = grad_scaler  # the setter's checks, here on the ranks' agreement path
@@ -259,13 +260,13 @@ class HookState(Communicator):
                 raise RuntimeError(f"{self.hook_name} needs torch.distributed to be initialized (init_process_group).")
             nodes = (1, dist.get_world_size()) if topology is None else (topology.num_nodes, topology.local_world_size)
             own = {} if self.comm_settings is None else self.comm_settings.as_dict()
-            settings = communicator_settings(type(self).__name__, optimizer, nodes, check_finite=check_finite, **own)
-            settings["loss scaling"] = grad_scaler is not None and grad_scaler.is_enabled()
+            record = setup_record(type(self).__name__, optimizer, nodes, check_finite=check_finite, **own)
+            record["loss scaling"] = grad_scaler is not None and grad_scaler.is_enabled()
         except Exception as exc:
             error = exc
         agree_setup(
             setup_group(topology, agree_group=agree_group),
-            settings,
+            record,
             error,
             what=type(self).__name__,
             fix=f"build every rank's hook state and {type(optimizer).__name__} with the same parameters and settings",
@@ -350,7 +351,7 @@ class HookState(Communicator):
         if self._pending and self._bad_verdict():
             self._skip()  # nobody asked: step() was not called after the last backward's non-finite verdict
 
-    def claim(self, p: torch.Tensor, what: str, fix_owner: str, fix_twice: str) -> dict:
+    def group_to_stage(self, p: torch.Tensor, what: str, fix_owner: str, fix_twice: str) -> dict:
         """``p``'s param group, before the hook encodes ``p`` (``what``: ``"A DDP parameter"``, ...): raises with
         ``fix_owner`` if the optimizer does not own ``p``, with ``fix_twice`` if ``p`` was staged this step already."""
         group = self.optimizer.group_of(p)
@@ -439,7 +440,7 @@ class HookState(Communicator):
         for fut in self.in_flight:  # the exchanges first, then the agreement (the same order on every rank)
             fut.wait()
         if self._verdict is None and self.check_finite and self._pending:
-            self._verdict = agree(self._local_verdict(self._unused_order()), self.agree_group)
+            self._verdict = max_over_ranks(self._local_verdict(self._unused_order()), self.agree_group)
         return self._verdict
 
     # -------------------------------------------------------------------------------------------- steps
@@ -602,7 +603,7 @@ class DDPBuckets:
         buffer = bucket.buffer()
         items, offset = [], 0
         for p in bucket.parameters():
-            group = state.claim(
+            group = state.group_to_stage(
                 p,
                 "A DDP parameter",
                 "build the optimizer from every parameter that gets gradients",
@@ -719,7 +720,7 @@ class StepAllReduce(Communicator):
             self.usage.remove()
         super().detach()
 
-    def _agree(self) -> torch.Tensor:
+    def _step_verdict(self) -> torch.Tensor:
         # one all-reduce: [non-finite on any rank, then: used (has a gradient) on any rank, per parameter]
         opt = self.optimizer
         params = [p for g in opt.param_groups for p in g["params"]]
@@ -733,7 +734,7 @@ class StepAllReduce(Communicator):
             x = sum(float(local_tensor(g).double().sum()) for g in grads.values())
             flags = torch.cat([flags, torch.tensor([x, -x], dtype=torch.float64)])
         dev = params[0].device if params else torch.device("cpu")
-        return agree(flags.to(dev), self.agree_group).cpu()
+        return max_over_ranks(flags.to(dev), self.agree_group).cpu()
 
     def _skip(self) -> None:
         if self.usage is not None:
@@ -756,7 +757,7 @@ class StepAllReduce(Communicator):
         """Agree, with every rank, on the settings of the ``StepAllReduce`` about to be built for ``optimizer``
         (:func:`agree_setup`), or on ``error``, this rank's own failure, which every rank then raises. Collective over
         :func:`setup_group`; call it before building the topology. Returns the checked settings, to build it with."""
-        settings = comm = None
+        record = comm = None
         if error is None:
             try:
                 comm = check_settings(DEFAULT_METHOD if method is None else method)
@@ -773,12 +774,12 @@ class StepAllReduce(Communicator):
                         what = f"process_group is a {type(process_group).__name__}"
                         raise TypeError(explain(what, "pass a torch.distributed ProcessGroup (e.g. dist.group.WORLD)"))
                     layout = (1, dist.get_world_size(process_group))
-                settings = communicator_settings("StepAllReduce", optimizer, layout, **comm.as_dict())
+                record = setup_record("StepAllReduce", optimizer, layout, **comm.as_dict())
             except Exception as exc:
                 error = exc
         agree_setup(
             setup_group(topology, process_group, agree_group),
-            settings,
+            record,
             error,
             what=what,
             fix=f"build every rank's {type(optimizer).__name__} with the same parameters and settings",
@@ -794,7 +795,7 @@ class StepAllReduce(Communicator):
         """Asked by ``GradScaler.step`` on every rank: agree now (see the class docstring). ``True``: the scaler calls
         ``step()`` with the scaled gradients and their scale; ``False``: a rank overflowed, every rank's ``.grad`` is
         NaN and every rank's scaler skips ``step()``."""
-        flags = self._agree()
+        flags = self._step_verdict()
         if flags[0] == 0:
             self._verdict = flags
             return True
@@ -816,7 +817,7 @@ class StepAllReduce(Communicator):
         if poisoned is not None and poisoned == _grad_versions(params):
             return None  # amp_scaling agreed to skip this step, and another rank's scaler skips step()
         scaled = hasattr(opt, "found_inf")  # a GradScaler asked amp_scaling just before calling step()
-        flags = self._verdict if scaled and self._verdict is not None else self._agree()
+        flags = self._verdict if scaled and self._verdict is not None else self._step_verdict()
         self._verdict = None
         if flags[0] != 0:
             self._skip()

@@ -192,7 +192,7 @@ class FSDPHookState(HookState):
             raise RuntimeError(explain(what, fix))
         items, offset = [], 0
         for p, taken in layout:
-            group = self.claim(
+            group = self.group_to_stage(
                 p,
                 "An FSDP parameter",
                 "build the optimizer from the sharded model's parameters, after fully_shard",

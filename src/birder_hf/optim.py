@@ -647,17 +647,17 @@ def birder(
     return ds
 
 
-def _encode_into(g, m, b, bmax, m_out, b_out, bmax_out, u_out, settings) -> None:
+def _encode_into(g, m, b, bmax, m_out, b_out, bmax_out, u_out, consts) -> None:
     """One tensor's encode, written into the ``*_out`` buffers (they may be ``m``, ``b``, ``bmax`` themselves;
     ``bmax`` and ``bmax_out`` are None without amsgrad).
 
     Every product is rounded before the sum (``m beta + g w``, no fused multiply-add), so that this function run
     eagerly and compiled into one pass (``torch.compile``; contraction is off on CPU) give the same bits; the
-    reference (``birder_hf.reference``) computes the same. ``settings`` (:func:`_encode_settings`): one tensor for the
+    reference (``birder_hf.reference``) computes the same. ``consts`` (:func:`_kernel_constants`): one tensor for the
     compiled kernel (one kernel serves every setting), a tuple of Python numbers eagerly (nothing to copy to a GPU;
     the eager kernels round a Python scalar to the tensor's dtype, so the bits are the same)."""
-    beta, weight, sign, tiny, vote_min = settings[0], settings[1], settings[2], settings[3], settings[4]
-    fade, lazy = settings[5] != 0, settings[6] != 0
+    beta, weight, sign, tiny, vote_min = consts[0], consts[1], consts[2], consts[3], consts[4]
+    fade, lazy = consts[5] != 0, consts[6] != 0
     g = g.to(m.dtype) * sign
     m_new = m * beta + g * weight
     b_new = b * beta + g.abs() * weight
@@ -679,20 +679,20 @@ def _encode_into(g, m, b, bmax, m_out, b_out, bmax_out, u_out, settings) -> None
 # The compiled kernels: in place (the state is the output) or staged (other buffers), two graphs that are never called
 # with the other's aliasing: torch 2.14's on-disk compile cache served a kernel compiled for an in-place call (it wrote
 # m_new into m) to a staged call of the same graph (tests/test_optim.py runs both, in place first).
-def _encode_staged(g, m, b, m_out, b_out, u_out, settings) -> None:
-    _encode_into(g, m, b, None, m_out, b_out, None, u_out, settings)
+def _encode_staged(g, m, b, m_out, b_out, u_out, consts) -> None:
+    _encode_into(g, m, b, None, m_out, b_out, None, u_out, consts)
 
 
-def _encode_staged_amsgrad(g, m, b, bmax, m_out, b_out, bmax_out, u_out, settings) -> None:
-    _encode_into(g, m, b, bmax, m_out, b_out, bmax_out, u_out, settings)
+def _encode_staged_amsgrad(g, m, b, bmax, m_out, b_out, bmax_out, u_out, consts) -> None:
+    _encode_into(g, m, b, bmax, m_out, b_out, bmax_out, u_out, consts)
 
 
-def _encode_in_place(g, m, b, u_out, settings) -> None:
-    _encode_into(g, m, b, None, m, b, None, u_out, settings)
+def _encode_in_place(g, m, b, u_out, consts) -> None:
+    _encode_into(g, m, b, None, m, b, None, u_out, consts)
 
 
-def _encode_in_place_amsgrad(g, m, b, bmax, u_out, settings) -> None:
-    _encode_into(g, m, b, bmax, m, b, bmax, u_out, settings)
+def _encode_in_place_amsgrad(g, m, b, bmax, u_out, consts) -> None:
+    _encode_into(g, m, b, bmax, m, b, bmax, u_out, consts)
 
 
 for _kernel in (_encode_staged, _encode_staged_amsgrad, _encode_in_place, _encode_in_place_amsgrad):
@@ -700,8 +700,8 @@ for _kernel in (_encode_staged, _encode_staged_amsgrad, _encode_in_place, _encod
 
 
 @functools.lru_cache(maxsize=64)
-def _encode_settings(values: tuple, dtype: torch.dtype) -> torch.Tensor:
-    """:func:`_encode_into`'s settings for a compiled kernel: a read-only CPU tensor in the state's ``dtype`` (each
+def _kernel_constants(values: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`_encode_into`'s constants for a compiled kernel: a read-only CPU tensor in the state's ``dtype`` (each
     value rounded as the eager kernels round a Python scalar) of beta, weight, the sign of g (-1 to maximize), the
     ``_TINY`` floor of b, ``STALE_VOTE_MIN``, and the stale mode as two 0/1 flags (fade, lazy)."""
     return torch.tensor([float(v) for v in values], dtype=dtype)
@@ -724,7 +724,7 @@ def _single_tensor_encode(grads, exp_avgs, exp_avg_abss, max_exp_avg_abss, *, be
             name = "_encode_staged" if staged else "_encode_in_place"
             args = tensors if staged else (g, m, b, bmax, u)
             run_kernel(name + ("_amsgrad" if bmax is not None else ""), m.numel(),
-                       *(t.view(-1) for t in args if t is not None), _encode_settings(values, m.dtype))  # fmt: skip
+                       *(t.view(-1) for t in args if t is not None), _kernel_constants(values, m.dtype))  # fmt: skip
         else:
             _encode_into(*tensors, values)
         us.append(u)
