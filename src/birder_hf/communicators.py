@@ -24,7 +24,7 @@ import torch.distributed as dist
 from .base import Communicator, OneBitOptimizer, Update, all_finite, explain, local_tensor, state_dtype
 from .collectives import check_agreement, onebit_all_reduce
 from .lifecycle import then
-from .settings import DEFAULT_METHOD, CommSettings, check_settings
+from .settings import CommSettings
 from .together import raise_together
 from .topology import Topology
 from .wire import CommStats, Job, Wire, launch_in_order
@@ -244,16 +244,20 @@ class HookState(Communicator):
         optimizer,
         topology: Topology | None = None,
         *,
-        comm_settings: tuple | CommSettings | None = None,
+        comm_settings: CommSettings | None = None,
         check_finite: bool = True,
         agree_group=None,
         grad_scaler=None,
+        setup_error: Exception | None = None,
     ):
-        # both checked in _check_setup (bool('no') is True, bool(None) False); comm_settings: the hook's 1-bit
-        # all-reduce settings, (method, inter_method, chunk_numel) or a CommSettings (None: 1-bit Adam's hook)
+        # check_finite: checked in _check_setup (bool('no') is True, bool(None) False); comm_settings: the hook's 1-bit
+        # all-reduce settings, built by the public entry point (None: 1-bit Adam's hook); setup_error: the entry
+        # point's own failure (building them), raised on every rank by the agreement below
         self.check_finite, self.comm_settings = check_finite, comm_settings
         error = record = None  # this rank's checks, then one exchange with the others (agree_setup, "set-up" above)
         try:
+            if setup_error is not None:
+                raise setup_error
             self._check_setup(optimizer, topology)
             self.grad_scaler = grad_scaler  # the setter's checks, here on the ranks' agreement path
             if not dist.is_available() or not dist.is_initialized():
@@ -293,8 +297,6 @@ class HookState(Communicator):
 
     def _check_setup(self, optimizer, topology) -> None:
         """This rank's own checks of the set-up (before the ranks agree on it); subclasses add theirs."""
-        if self.comm_settings is not None:
-            self.comm_settings = check_settings(*self.comm_settings)
         name = type(self).__name__
         if not isinstance(self.check_finite, bool):  # never guess
             raise ValueError(f"Invalid check_finite={self.check_finite!r}: it must be True or False ({name}).")
@@ -746,7 +748,7 @@ class StepAllReduce(Communicator):
     @staticmethod
     def agree_on_setup(
         optimizer,
-        method: str | CommSettings | None = None,
+        comm: CommSettings | None,
         *,
         topology: Topology | None = None,
         process_group=None,
@@ -754,13 +756,15 @@ class StepAllReduce(Communicator):
         error: Exception | None = None,
         what: str = "Birder(process_group=...)",
     ) -> CommSettings:
-        """Agree, with every rank, on the settings of the ``StepAllReduce`` about to be built for ``optimizer``
-        (:func:`agree_setup`), or on ``error``, this rank's own failure, which every rank then raises. Collective over
-        :func:`setup_group`; call it before building the topology. Returns the checked settings, to build it with."""
-        record = comm = None
+        """Agree, with every rank, on ``comm`` (built by the entry point: ``None`` only with an ``error``) and the
+        optimizer of the ``StepAllReduce`` about to be built for ``optimizer`` (:func:`agree_setup`), or on ``error``,
+        this rank's own failure, which every rank then raises. Collective over :func:`setup_group`; call it before
+        building the topology. Returns ``comm``, to build it with."""
+        record = None
         if error is None:
             try:
-                comm = check_settings(DEFAULT_METHOD if method is None else method)
+                if not isinstance(comm, CommSettings):
+                    raise TypeError(f"comm must be a CommSettings (check_settings builds it), got {comm!r}")
                 if topology is not None:
                     if not isinstance(topology, Topology):
                         raise TypeError(f"topology must be a birder_hf.Topology, got {type(topology).__name__}.")

@@ -161,10 +161,9 @@ class FSDPHookState(HookState):
 
     __slots__ = ("staging",)
 
-    def __init__(self, optimizer: Birder, topology: Topology, method: str | CommSettings = DEFAULT_METHOD, **kwargs):
+    def __init__(self, optimizer: Birder, topology: Topology, comm_settings: CommSettings, **kwargs):
         self.staging = BirderStaging(self)
-        comm = (method, kwargs.pop("inter_method", DEFAULT_INTER_METHOD), kwargs.pop("chunk_numel", None))
-        super().__init__(optimizer, topology, comm_settings=comm, **kwargs)
+        super().__init__(optimizer, topology, comm_settings=comm_settings, **kwargs)
 
     @property
     def description(self) -> str:
@@ -380,8 +379,8 @@ def register_birder_fsdp(
     if not in_backward:
         StepAllReduce.agree_on_setup(  # the settings every rank's communicator shares, as the hook states agree on
             opt,
+            settings,
             topology=topology,
-            method=settings,
             agree_group=everyone,
             what="register_birder_fsdp",
         )

@@ -228,8 +228,13 @@ class BirderHookState(HookState):
         grad_scaler=None,
     ):
         self.staging = BirderStaging(self)
+        comm, error = None, None
+        try:  # built once, here; a bad value on one rank is raised on every rank by the set-up agreement
+            comm = check_settings(method, inter_method, chunk_numel)
+        except Exception as exc:
+            error = exc
         kwargs = {"check_finite": check_finite, "agree_group": agree_group, "grad_scaler": grad_scaler}
-        super().__init__(optimizer, topology, comm_settings=(method, inter_method, chunk_numel), **kwargs)
+        super().__init__(optimizer, topology, comm_settings=comm, setup_error=error, **kwargs)
         self.buckets = DDPBuckets(self)
 
     @property

@@ -55,6 +55,7 @@ from .base import (
     state_dtype,
 )
 from .quantize import STAGE_WORKER, BitKeys, quantize_bits, register_kernel, run_kernel
+from .settings import DEFAULT_METHOD, check_settings
 
 __all__ = ["Birder", "birder", "birder_encode", "birder_apply", "EncodeOut", "StateBuffers"]
 
@@ -232,7 +233,7 @@ class Birder(OneBitOptimizer):
     ):
         stale = DEFAULT_STALE if stale is None else stale
         distributed = topology is not None or process_group is not None
-        error = None
+        error = comm = None
         try:
             if unknown:  # a typo, or another optimizer's setting (timm and the Trainer pass them along): never ignored
                 key = next(iter(unknown))
@@ -261,6 +262,8 @@ class Birder(OneBitOptimizer):
             if not distributed and method is not None:
                 what = "method= chooses the optimizer-side 1-bit all-reduce"
                 raise ValueError(explain(what, "pass process_group= or topology= with it (DDP hook: BirderHookState)"))
+            if distributed:
+                comm = check_settings(DEFAULT_METHOD if method is None else method)
         except Exception as exc:
             if not distributed:
                 raise
@@ -270,10 +273,8 @@ class Birder(OneBitOptimizer):
 
             # every rank of the group learns of this rank's error, or of settings that differ between the ranks,
             # and raises it too (none is left waiting in a collective), before the topology's groups are built
-            settings = StepAllReduce.agree_on_setup(
-                self, topology=topology, process_group=process_group, method=method, error=error
-            )
-            StepAllReduce(settings, topology=topology, process_group=process_group).attach(self)
+            StepAllReduce.agree_on_setup(self, comm, topology=topology, process_group=process_group, error=error)
+            StepAllReduce(comm, topology=topology, process_group=process_group).attach(self)
 
     @property
     def seed(self) -> int:
