@@ -51,9 +51,9 @@ from qa_utils import (  # noqa: E402
 )
 from recipe_args import parse_recipe_args  # noqa: E402
 
-from birder_hf.collectives import release_process_groups  # noqa: E402
 from birder_hf.integrations.accelerate import check_elastic_restart, check_really_distributed  # noqa: E402
 from birder_hf.integrations.transformers import BirderArguments, BirderTrainer  # noqa: E402
+from birder_hf.lifecycle import release_process_groups  # noqa: E402
 
 logger = logging.getLogger("bert_base")
 

@@ -51,7 +51,7 @@ from recipe_args import is_config_file, parse_recipe_args  # noqa: E402
 from stdlib_text import read_split, stdlib_corpus, token_blocks, train_bpe_tokenizer  # noqa: E402
 
 from birder_hf.base import local_tensor, unwrap_optimizer  # noqa: E402
-from birder_hf.collectives import release_process_groups  # noqa: E402
+from birder_hf.lifecycle import release_process_groups  # noqa: E402
 from birder_hf.integrations.accelerate import check_elastic_restart, check_really_distributed  # noqa: E402
 from birder_hf.integrations.transformers import BirderArguments, BirderTrainer, HSDPTrainer  # noqa: E402
 

@@ -39,14 +39,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from embedded_data import write_digits_image_folder  # noqa: E402
 
 from birder_hf import Birder, OneBitAdam, Topology  # noqa: E402
-from birder_hf.collectives import check_settings, release_process_groups  # noqa: E402
 from birder_hf.elastic import claim_output_dir  # noqa: E402
 from birder_hf.integrations.accelerate import (  # noqa: E402
     check_really_distributed,
     load_resumable_state,
     register_birder_hook,
 )
+from birder_hf.lifecycle import release_process_groups  # noqa: E402
 from birder_hf.model_card import model_card_section  # noqa: E402
+from birder_hf.settings import check_settings  # noqa: E402
 
 logger = logging.getLogger("resnet50")
 

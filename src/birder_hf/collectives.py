@@ -42,7 +42,7 @@ shared as bits.
 
 The rest lives by concern: the settings and their byte counts in ``settings.py``, the plumbing and byte accounting
 in ``wire.py``, the ranks' agreement in ``agreement.py``, the callbacks' and process groups' lifecycle in
-``lifecycle.py``; this module re-exports their public names.
+``lifecycle.py``; import their names from them.
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ import numbers
 import torch
 
 from .agreement import check_signature, needs_check, signature_of
-from .lifecycle import release_process_groups, wait_for_callbacks
 from .quantize import (
     STAGE_INTER_SHARD,
     STAGE_NODE,
@@ -63,23 +62,11 @@ from .quantize import (
     digits_mean_,
     votes_mean_,
 )
-from .settings import DEFAULT_INTER_METHOD, DEFAULT_METHOD, INTER_METHODS, METHODS, CommSettings, check_settings
+from .settings import DEFAULT_INTER_METHOD, DEFAULT_METHOD, CommSettings, check_settings
 from .topology import Topology
 from .wire import DONE, CommStats, Job, Wire, check_device, fp32_allreduce_bytes, launch_in_order
 
-__all__ = [
-    "onebit_all_reduce",
-    "check_agreement",
-    "check_settings",
-    "CommSettings",
-    "CommStats",
-    "expected_bytes",
-    "fp32_allreduce_bytes",
-    "wait_for_callbacks",
-    "release_process_groups",
-    "METHODS",
-    "INTER_METHODS",
-]
+__all__ = ["onebit_all_reduce", "check_agreement", "expected_bytes"]
 
 
 def _count_planes(rows: torch.Tensor) -> torch.Tensor:

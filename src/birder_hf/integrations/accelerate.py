@@ -33,7 +33,6 @@ import shutil
 
 from ..base import OneBitOptimizer, explain, unwrap_optimizer
 from ..checkpoint import read_own_rank_state, save_rank_state
-from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, check_settings
 from ..communicators import agree_setup, setup_group
 from ..elastic import (
     claim_output_dir,
@@ -45,6 +44,7 @@ from ..elastic import (
 )
 from ..fsdp import register_birder_fsdp
 from ..hook import attach_ddp_hook
+from ..settings import DEFAULT_INTER_METHOD, DEFAULT_METHOD, check_settings
 from ..topology import Topology
 
 __all__ = [

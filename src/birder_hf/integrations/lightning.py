@@ -46,7 +46,6 @@ from typing import Any
 
 from ..base import OneBitOptimizer, explain
 from ..checkpoint import MARKER, read_own_rank_state, save_rank_state
-from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, check_settings
 from ..communicators import HookState
 from ..elastic import (
     check_search_folder,
@@ -59,6 +58,7 @@ from ..elastic import (
 from ..hook import BirderHookState, attach_ddp_hook
 from ..onebit_adam import OneBitAdam
 from ..optim import Birder
+from ..settings import DEFAULT_INTER_METHOD, DEFAULT_METHOD, check_settings
 from ..together import gather, world_group
 from ..topology import Topology
 from . import needs_extra

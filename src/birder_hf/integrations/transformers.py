@@ -45,7 +45,6 @@ from typing import ClassVar
 
 from ..base import OneBitOptimizer, explain, is_integer, unwrap_optimizer
 from ..checkpoint import disk_full_error, read_own_rank_state, save_rank_state
-from ..collectives import DEFAULT_INTER_METHOD, DEFAULT_METHOD, check_settings
 from ..communicators import HookState
 from ..elastic import claim_output_dir, clear_completion_marker, find_resumable_checkpoint, mark_checkpoint_complete
 from ..fsdp import register_birder_fsdp
@@ -53,6 +52,7 @@ from ..hook import attach_ddp_hook
 from ..model_card import fix_trainer_card, model_card_section, optimizer_description
 from ..onebit_adam import OneBitAdam
 from ..optim import DEFAULT_STALE, Birder
+from ..settings import DEFAULT_INTER_METHOD, DEFAULT_METHOD, check_settings
 from ..topology import Topology
 from . import needs_extra
 from .accelerate import check_really_distributed, report_skipped_step
