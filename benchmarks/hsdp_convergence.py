@@ -60,6 +60,7 @@ def recipe_args(method: str, seed: int, cfg: argparse.Namespace) -> list[str]:
         str(cfg.logging_steps),
         "--learning_rate",
         str(cfg.birder_lr if method.endswith("birder") else cfg.adamw_lr),
+        *(["--update_rule", cfg.update_rule] if method.endswith("birder") else []),
         "--max_eval_blocks",
         str(cfg.max_eval_blocks),
         "--warmup_steps",
@@ -189,6 +190,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--logging_steps", type=int, default=10)
     # Birder: the best of 2e-3 / 5e-4 / 2e-4 on hsdp-birder, seed 0 (docs/results/hsdp_lr_check_birder_*.json)
     p.add_argument("--birder_lr", type=float, default=5e-4, help="Birder's learning rate (both layouts).")
+    p.add_argument("--update_rule", default="birder", help="The recipe's Birder rule (the stored runs': birder).")
     p.add_argument("--adamw_lr", type=float, default=2e-3, help="AdamW's learning rate.")
     p.add_argument("--max_eval_blocks", type=int, default=256)
     p.add_argument("--warmup_steps", type=float, default=20, help="The stored runs': 20 of 150 steps.")

@@ -20,7 +20,8 @@ Variants (``--learning_rate`` each: the recipe's Birder default, AdamW's default
   AdamW (``max_grad_norm=1.0``; ``BirderTrainer`` turns it off, since under the hook ``.grad`` holds the direction).
 
 The swap replaces ``birder_hf.optim.birder_encode`` in the recipe's process (an experiment harness, not a supported
-option); everything else is the recipe with its defaults (150 steps, 20% warm-up, cosine, weight decay 0.01). Runs
+option) on the recipe's ``--update_rule birder`` (the paper's m / b path, its default when these runs were made);
+everything else is the recipe with its defaults (150 steps, 20% warm-up, cosine, weight decay 0.01). Runs
 whose ``all_results.json`` exists in ``--work`` are read, not run again.
 """
 
@@ -139,7 +140,7 @@ def main(argv=None) -> dict:
             out = args.work / f"{variant}-seed{seed}"
             if not (out / "all_results.json").exists():
                 recipe = ["--output_dir", str(out), "--seed", str(seed), "--quantize", "False",
-                          "--learning_rate", VARIANTS[variant]]  # fmt: skip
+                          "--update_rule", "birder", "--learning_rate", VARIANTS[variant]]  # fmt: skip
                 env = dict(os.environ, OMP_NUM_THREADS="1", BIRDER_HF_CODEC_COMPILE="0")
                 print(f"[{variant} seed {seed}]", flush=True)
                 subprocess.run([sys.executable, __file__, "--_child", variant, *recipe], env=env, check=True)

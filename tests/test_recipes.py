@@ -126,6 +126,41 @@ def test_recipe_arguments_save_steps_alone_writes_checkpoints_and_numbers_are_fi
             recipe.parse_args(["--output_dir", "/proc/sys/birder"])
 
 
+def test_causal_lm_update_rule_supplies_only_what_the_command_line_leaves_out(monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("causal_lm", os.path.join(ROOT, "recipes", "causal_lm.py"))
+    sys.modules.setdefault("causal_lm", importlib.util.module_from_spec(spec))  # its dataclasses look their module up
+    spec.loader.exec_module(sys.modules["causal_lm"])
+    recipe = sys.modules["causal_lm"]
+
+    def rule(*argv, world=2, local=2):
+        _, _, opt, training = recipe.parse_args(list(argv))  # one process: the Trainer's arguments see no launcher
+        with monkeypatch.context() as env:  # what accelerate launch / torchrun set, for the rule alone
+            env.setenv("WORLD_SIZE", str(world))
+            env.setenv("LOCAL_WORLD_SIZE", str(local))
+            recipe.apply_rule_defaults(list(argv), opt, training)
+        return opt.beta, opt.beta2, opt.grad_clip, training.learning_rate
+
+    # the default: Adam's direction, clipped, at 1e-3 per voting worker (every rank under DDP, every node under HSDP)
+    assert rule() == (0.9, 0.999, 1.0, 2e-3)
+    assert rule(world=4) == (0.9, 0.999, 1.0, 4e-3)
+    assert rule(world=16, local=8)[-1] == 4e-3  # beyond 4 voters: the largest rate measured
+    assert rule("--sharding", "hsdp", world=4, local=4)[-1] == 1e-3  # 4 ranks of one node: one voter
+    assert rule("--sharding", "hsdp", world=4, local=2)[-1] == 2e-3  # 2 nodes of 2
+    assert rule("--sharding", "hsdp", "--num_nodes", "2", world=4, local=4)[-1] == 2e-3  # simulated nodes
+    assert rule("--update_rule", "birder", world=4) == (0.95, None, None, 5e-4)  # the paper's m / b
+    assert rule("--beta", "0.8", "--learning_rate", "1e-3") == (0.8, 0.999, 1.0, 1e-3)  # a given flag stands
+    assert rule("--update_rule=birder", "--beta=0.9") == (0.9, None, None, 5e-4)
+    assert rule("--optimizer", "adamw", world=4)[-1] == 2e-3
+    _, _, opt, _ = recipe.parse_args([])
+    assert opt.learning_rate_note == "learning rate 0.001: 0.001 per voting worker, 1 voting"  # what the run logs
+    with pytest.raises(ValueError, match="--update_rule birder votes on m / b without clipping; drop --beta2"):
+        recipe.parse_args(["--update_rule", "birder", "--grad_clip", "1.0"])
+    with pytest.raises(ValueError, match="--update_rule 'sgd'; choose one of adam, birder"):
+        recipe.parse_args(["--update_rule", "sgd"])
+
+
 def test_bert_recipe_baseline_and_bad_arguments(tmp_path):
     out = str(tmp_path / "adamw")
     _run(
@@ -217,7 +252,7 @@ LM_TINY = [
     "4",
     "--warmup_steps",
     "0",
-    "--learning_rate",  # a few steps must show learning: 2e-3 (the recipe's Birder default, 5e-4, suits 150 steps)
+    "--learning_rate",  # a few steps must show learning (the paper's rule's 5e-4 suits 150 steps, not 6)
     "2e-3",
     "--logging_steps",
     "2",
