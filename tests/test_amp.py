@@ -15,6 +15,8 @@ control flow is the one a GPU run takes (CUDA: ``tests/test_gpu_amp.py``). The o
 too-large initial scale: afterwards the scale stays constant, and the run without a scaler skips the same step.
 """
 
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 from _dist import run_distributed
@@ -348,9 +350,19 @@ def _refusals(rank, world):
     return errors, unchanged
 
 
+def troubleshooting_message(row_start: str) -> str:
+    """The message docs/TROUBLESHOOTING.md quotes ("with the message as the code words it") in its fp16 table row
+    that starts with ``row_start``."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "TROUBLESHOOTING.md").read_text()
+    row = next(line for line in doc.splitlines() if line.startswith(f"| {row_start}"))
+    return row.split(" | ")[1].split("`")[1]
+
+
 def test_fp16_refusals():
     for errors, unchanged in run_distributed(_refusals, 2, local_world_size=2):
-        assert "Do not unscale or clip with the 1-bit hook" in errors["unscaled"] and unchanged
+        # the troubleshooting page quotes these two word for word
+        assert errors["unscaled"] == troubleshooting_message("`scaler.unscale_(optimizer)`") and unchanged
+        assert errors["onebitadam_step"] == troubleshooting_message("1-bit Adam with fp16")
         assert (
             "cannot train with fp16 loss scaling" in errors["onebitadam_step"] and "bf16" in errors["onebitadam_step"]
         )
@@ -414,6 +426,7 @@ def test_scaler_leftovers_and_misuse_are_refused_where_they_happen():
     for out in run_distributed(_scaler_leftovers, 2, local_world_size=2):
         assert out["refused"] and out["left_behind"] == [] and out["plain_step_counted"]
         assert "not called by that GradScaler" in out["unused_scaler"]
+        assert out["unused_scaler"] == troubleshooting_message("a hook given a `GradScaler`")  # quoted there too
         assert "scaler.step(optimizer)" in out["unused_scaler"]
         assert "Nothing was applied" in out["unused_scaler"] and out["unused_scaler_unchanged"]
         assert "is a class" in out["class"] and "GradScaler(...)" in out["class"]
