@@ -567,8 +567,9 @@ class BucketGrad(NamedTuple):
 class DDPBuckets:
     """DDP's side of a hook state (one each for :class:`birder_hf.BirderHookState` and
     :class:`birder_hf.OneBitAdamHookState`): where each gradient lies in the bucket DDP hands over, the guards, and
-    the agreement queued after the last bucket. A hook's body is :meth:`run`. With ``skip_unused``, every parameter is
-    watched (:class:`UsageMarks`): DDP hands the hook zeros for an unused one.
+    the agreement queued after the last bucket: a hook calls :meth:`begin`, starts its exchange, and returns
+    :meth:`finish` (on a failure it unstages the bucket). With ``skip_unused``, every parameter is watched
+    (:class:`UsageMarks`): DDP hands the hook zeros for an unused one.
     """
 
     __slots__ = ("state", "_layouts")
@@ -585,17 +586,10 @@ class DDPBuckets:
             self.state.marks.watch(p)
         return new
 
-    def run(self, bucket, start) -> torch.futures.Future:
-        """What the hook hands DDP for ``bucket``: ``start(items)``, the hook's exchange of the bucket's checked
-        :class:`BucketGrad` items (it stages what it encodes with the state's ``stage``), and after the last bucket the
-        ranks' agreement (:meth:`HookState.queue_agreement`). On a failure nothing of the bucket stays staged."""
-        items = self.begin(bucket)
-        try:
-            fut = start(items)
-            return self.state.queue_agreement(fut) if self.state.check_finite and bucket.is_last() else fut
-        except BaseException:
-            self.state.unstage([b.param for b in items])
-            raise
+    def finish(self, bucket, fut: torch.futures.Future) -> torch.futures.Future:
+        """What the hook hands DDP for ``bucket``: ``fut`` (the bucket's exchange), and after the last bucket the
+        ranks' agreement queued behind it (:meth:`HookState.queue_agreement`)."""
+        return self.state.queue_agreement(fut) if self.state.check_finite and bucket.is_last() else fut
 
     def begin(self, bucket) -> list[BucketGrad]:
         """The bucket's parameters with their gradients and groups, checked (:class:`BucketGrad`); counts the bucket's

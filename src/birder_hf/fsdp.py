@@ -43,9 +43,9 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .base import Update, explain, is_sharded, local_tensor, shard_offset, unwrap_optimizer
-from .communicators import HookState, StepAllReduce, UsageMarks
-from .hook import BirderStaging
+from .base import explain, is_sharded, local_tensor, shard_offset, unwrap_optimizer
+from .communicators import StepAllReduce, UsageMarks
+from .hook import BirderStagedState, encode_and_stage, start_exchange, u_buffer
 from .optim import Birder
 from .settings import DEFAULT_INTER_METHOD, DEFAULT_METHOD, CommSettings, check_settings
 from .topology import Topology
@@ -137,32 +137,31 @@ def fsdp_units(model: torch.nn.Module) -> list[FSDPUnit]:
     return units
 
 
-class FSDPHookState(HookState):
+class FSDPHookState(BirderStagedState):
     """State of Birder's FSDP2 all-reduce hook: the 1-bit exchange of each FSDP unit's shard across the nodes.
 
     Built by :func:`register_birder_fsdp`. The statistics (``stats``, ``last_step_stats``, ``steps_communicated``,
     ``skipped_steps``) are those of every hook state; all bytes count as inter-node. Birder's side (the staged ``m``,
-    ``b``, the encode-and-stage loop, the exchange, the commit) is ``staging``, a
-    :class:`birder_hf.hook.BirderStaging` as the DDP hook's.
+    ``b``, the encode-and-stage, the exchange, the commit) is the DDP hook's: :class:`birder_hf.hook.BirderStagedState`
+    and its functions.
 
     Args:
         optimizer (`Birder`): the optimizer of the sharded parameters.
         topology (`Topology`): this rank's replicas, ``Topology.from_replicate_dim(mesh)``.
-        method, inter_method, chunk_numel, check_finite: as for :class:`birder_hf.BirderHookState`.
+        comm_settings (`CommSettings`): the 1-bit all-reduce's settings, as :func:`register_birder_fsdp` built them.
+        check_finite, grad_scaler: as for :class:`birder_hf.BirderHookState`.
         agree_group (`ProcessGroup`): every rank of the mesh (skipped steps are agreed by all shards).
     """
 
-    optimizer_class = Birder
     hook_name = "birder_fsdp_hook"
     wrapped_name = "the FSDP model"
-    # FSDP hands the hook zeros for a parameter no rank of the node used (set_reduce_scatter_unused_params): the
-    # ranks agree which parameters any rank used (marked on FSDP's unsharded parameters, watch_units) and step those
-    skip_unused = True
+    # skip_unused (BirderStagedState's): FSDP hands the hook zeros for a parameter no rank of the node used
+    # (set_reduce_scatter_unused_params): the ranks agree which parameters any rank used (marked on FSDP's unsharded
+    # parameters, watch_units) and step those
 
-    __slots__ = ("staging",)
+    __slots__ = ()
 
     def __init__(self, optimizer: Birder, topology: Topology, comm_settings: CommSettings, **kwargs):
-        self.staging = BirderStaging(self)
         super().__init__(optimizer, topology, comm_settings=comm_settings, **kwargs)
 
     @property
@@ -174,10 +173,6 @@ class FSDPHookState(HookState):
         """Mark a parameter used when autograd accumulates a gradient into its unsharded parameter (see
         :class:`birder_hf.communicators.UsageMarks`)."""
         _watch_units(units, self.marks)
-
-    def buffer_bytes(self) -> int:
-        """Bytes of the buffers kept between steps: staged ``m``, ``b`` and each unit's ``u`` (this rank's shard)."""
-        return self.staging.buffer_bytes()
 
     def reduce(self, index: int, unit: FSDPUnit, reduce_output: torch.Tensor) -> None:
         """The hook body for unit ``index``: encode its shard of the node-averaged gradient, start the all-reduce."""
@@ -202,15 +197,11 @@ class FSDPHookState(HookState):
             offset += taken
         work = torch.float64 if reduce_output.dtype == torch.float64 else torch.float32
         numel = sum(g.numel() for _, g, _ in items)
-        u = self.staging.direction_buffer(index, numel, work, reduce_output.device, keep=True)
-        _, keys = self.staging.encode_and_stage(items, u, keep=True)
+        u = u_buffer(self, index, numel, work, reduce_output.device, keep=True)
+        _, keys = encode_and_stage(self, items, u, keep=True)
         if self.check_finite:
             self.flag_nonfinite(u)  # u = m / b is NaN exactly where the gradient was not finite
-        self.in_flight.append(self.staging.exchange(u, keys))
-
-    def finish_step(self) -> list[Update] | None:
-        """Wait for the exchanges, agree the step is finite, commit ``m``, ``b`` and hand ``d`` to ``step()``."""
-        return self.staging.commit(self.take_staged())
+        self.in_flight.append(start_exchange(self, u, keys))
 
 
 def _watch_units(units: list[FSDPUnit], marks: UsageMarks) -> None:

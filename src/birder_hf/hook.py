@@ -40,149 +40,167 @@ from .optim import Birder, EncodeOut, StateBuffers
 from .settings import DEFAULT_INTER_METHOD, DEFAULT_METHOD, CommSettings, check_settings
 from .topology import Topology
 
-__all__ = ["BirderHookState", "BirderStaging", "birder_hook", "attach_ddp_hook", "unwrap_ddp"]
+__all__ = ["BirderHookState", "BirderStagedState", "birder_hook", "attach_ddp_hook", "unwrap_ddp"]
 
 
-class BirderStaging:
-    """Birder's part of a hook state, shared by its DDP hook (:class:`BirderHookState`, a bucket at a time) and its
-    FSDP hook (``birder_hf.fsdp.FSDPHookState``, a unit's shard at a time): the buffers each parameter's next ``m``,
-    ``b`` are staged in, the encode-and-stage loop, the 1-bit exchange and the commit."""
+class BirderStagedState(HookState):
+    """What Birder's two hook states share: :class:`BirderHookState` (DDP, a bucket at a time) and
+    ``birder_hf.fsdp.FSDPHookState`` (FSDP2, a unit's shard at a time). Internal slots: the buffers each parameter's
+    next ``m``, ``b`` are staged in (``scratch``), each bucket's or unit's ``u`` (then ``d``) buffer (``u_buffers``),
+    and the DDP hook's record of ``d`` as it handed it to DDP (``samples``). The functions below work on it:
+    :func:`encode_and_stage`, :func:`start_exchange`, :func:`commit_staged` (what ``step()`` applies)."""
 
-    __slots__ = ("state", "_scratch", "_directions", "_samples")
+    optimizer_class = Birder
+    skip_unused = True
 
-    def __init__(self, state: HookState):
-        self.state = state
-        self._scratch: dict[torch.Tensor, StateBuffers] = {}  # param -> the buffers its next step writes into
-        self._directions: dict[int, torch.Tensor] = {}  # bucket or unit index -> its u (then d) buffer
-        # the DDP hook's record of d as it handed it to DDP: param -> (its bucket's samples, its index in them), the
-        # first element of its d (a later backward's replaces a skipped one's)
-        self._samples: dict[torch.Tensor, tuple[torch.Tensor, int]] = {}
+    __slots__ = ("scratch", "u_buffers", "samples")
+
+    def __init__(self, *args, **kwargs):
+        self.scratch: dict[torch.Tensor, StateBuffers] = {}  # param -> the buffers its next step writes into
+        self.u_buffers: dict[int, torch.Tensor] = {}  # bucket or unit index -> its u (then d) buffer
+        # param -> (its bucket's samples of d, its index in them): the first element of its d, recorded as d was
+        # handed to DDP (a later backward's replaces a skipped one's)
+        self.samples: dict[torch.Tensor, tuple[torch.Tensor, int]] = {}
+        super().__init__(*args, **kwargs)
 
     def buffer_bytes(self) -> int:
-        """Bytes of the buffers kept between steps: the staged ``m``, ``b`` (and max ``b``) of every parameter, and the
-        kept ``u`` buffers (:meth:`direction_buffer`)."""
-        kept = [t for bufs in self._scratch.values() for t in bufs if t is not None] + list(self._directions.values())
+        """Bytes of the buffers kept between steps: the staged ``m``, ``b`` (and max ``b``, the error) of every
+        parameter, and the kept ``u`` buffers (:func:`u_buffer`)."""
+        kept = [t for bufs in self.scratch.values() for t in bufs if t is not None] + list(self.u_buffers.values())
         return sum(t.nbytes for t in kept)
 
-    def direction_buffer(self, index: int, numel: int, dtype: torch.dtype, device, *, keep: bool) -> torch.Tensor:
-        """The buffer bucket or unit ``index`` encodes ``u`` into (and receives ``d`` in). With ``keep``, one per
-        index, reused every step; otherwise a new one. The FSDP hook keeps them (``step()`` reads ``d`` from them); the
-        DDP hook on CPU only (``d`` is read by the next step, and a new buffer would page-fault on every step; CUDA's
-        caching allocator reuses memory anyway)."""
-        if not keep:
-            return torch.empty(numel, dtype=dtype, device=device)
-        buf = self._directions.get(index)
-        if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != device:
-            buf = self._directions[index] = torch.empty(numel, dtype=dtype, device=device)
-        return buf
-
-    def _buffers(self, p: torch.Tensor, state: dict, group: dict) -> StateBuffers:
-        bufs = self._scratch.get(p)
-        amsgrad, feedback = group["amsgrad"], group["error_feedback"]
-        if (
-            bufs is None
-            or bufs.exp_avg.shape != state["exp_avg"].shape
-            or (bufs.max_exp_avg_abs is None) == amsgrad
-            or (bufs.error is None) == feedback
-        ):
-            m = torch.empty_like(state["exp_avg"])
-            extra = [torch.empty_like(m) if on else None for on in (amsgrad, feedback)]
-            bufs = StateBuffers(m, torch.empty_like(m), *extra)
-            self._scratch[p] = bufs
-        return bufs
-
-    def encode_and_stage(self, items: list[tuple], u_flat: torch.Tensor, *, keep: bool = False):
-        """Encode ``items`` (parameter, its gradient, its group) into consecutive views of ``u_flat`` (logical order,
-        as in ``Birder.step()``) and stage their new ``m``, ``b`` for :meth:`commit` (with ``keep``: their views of
-        ``u_flat`` too, the directions ``step()`` applies). Returns the parameters and the keys of their bits."""
-        opt, hook = self.state.optimizer, self.state
-        params, steps, at = [], [], 0
-        by_group: dict[int, tuple[dict, list, list, list]] = {}
-        for p, g, group in items:
-            steps.append(int(opt.init_state(p, group)["step"]) + 1)
-            ps, gs, vs = by_group.setdefault(id(group), (group, [], [], []))[1:]
-            ps.append(p)
-            gs.append(g)
-            vs.append(u_flat[at : at + g.numel()].view(g.shape))
-            params.append(p)
-            at += g.numel()
-        for group, ps, gs, vs in by_group.values():
-            bufs = [self._buffers(p, opt.state[p], group) for p in ps]
-            maxes = [b.max_exp_avg_abs for b in bufs] if group["amsgrad"] else None
-            errors = [b.error for b in bufs] if group["error_feedback"] else None
-            staged = EncodeOut([b.exp_avg for b in bufs], [b.exp_avg_abs for b in bufs], maxes, vs, errors)
-            opt.encode(group, ps, gs, out=staged, grad_scale=hook.loss_scale())
-            for p, b, u in zip(ps, bufs, vs):
-                hook.stage(p, group, b, u if keep else None)
-        return params, opt.bit_keys(params, steps)
-
-    def exchange(self, u: torch.Tensor, keys, out: torch.Tensor | None = None) -> torch.futures.Future:
-        """Start the 1-bit all-reduce of ``u`` (flat) with the state's settings; ``d`` overwrites ``out`` (default
-        ``u``)."""
-        h = self.state
-        out = u if out is None else out
-        return onebit_all_reduce(
-            u, topology=h.topology, method=h.comm_settings, keys=keys, async_op=True, stats=h.step_stats, out=out
-        )
-
-    def sample_directions(self, fut: torch.futures.Future, items: list) -> torch.futures.Future:
-        """``fut`` (a bucket's ``d``, in the bucket's layout), recording the first element of each parameter's ``d``
-        when it is ready, before DDP copies it into ``.grad``: :meth:`commit` checks ``.grad`` still holds it."""
-        kept = [b for b in items if b.param.numel() > 0]
-        if not kept:
-            return fut
-        params, offsets = [b.param for b in kept], [b.offset for b in kept]
-
-        def sample(f):
-            d = f.value()
-            values = d[torch.tensor(offsets, device=d.device)]
-            self._samples.update((p, (values, i)) for i, p in enumerate(params))
-            return d
-
-        return then(fut, sample)
-
-    def _check_directions(self, pending: dict[torch.Tensor, Staged]) -> None:
-        # d in .grad must be what the hook produced: anything that rewrote .grad since (clip_grad_norm_ in an fp32
-        # loop, accelerator.clip_grad_norm_, an unscale, a hand edit) would scale a step that lr alone bounds
-        samples, self._samples = self._samples, {}
-        recorded, now = [], []
-        for p, (values, i) in samples.items():
-            if p in pending and pending[p].direction is None and p.grad is not None:
-                recorded.append(values[i])
-                now.append(p.grad[(0,) * p.grad.dim()])
-        if recorded and not torch.equal(torch.stack(recorded), torch.stack(now).to(recorded[0].dtype)):
-            what = f"The direction d that {self.state.hook_name} wrote into .grad was changed before step() (a "
-            what += "clip_grad_norm_, an unscale_ or an edit of .grad after backward)"
-            fix = "do not clip or rewrite .grad with the 1-bit hook (every step is bounded by lr already). Nothing "
-            fix += "was applied"
-            raise RuntimeError(explain(what, fix))
-
-    def commit(self, pending: dict[torch.Tensor, Staged] | None) -> list[Update] | None:
-        """Commit the staged ``m``, ``b`` (``pending``: the hook state's ``take_staged()``) and return what ``step()``
-        applies: each parameter's staged direction, else ``d`` in ``.grad`` (then set to ``None``: it is no gradient).
-        ``None``: every rank skips the step."""
-        if pending is None:
-            self._samples = {}
-            return None
-        self._check_directions(pending)
-        opt, updates = self.state.optimizer, []
-        for group in opt.param_groups:
-            # not those no rank computed a gradient for (a gradient of None, or found unused by take_staged)
-            params = [p for p in group["params"] if p.grad is not None and p in pending]
-            for p in params:  # the committed buffers become the next step's scratch
-                self._scratch[p] = opt.commit_state(p, pending[p].record)
-            if params:
-                ds = [p.grad if pending[p].direction is None else pending[p].direction for p in params]
-                updates.append(Update(group, params, ds))
-                for p in params:
-                    if pending[p].direction is None:
-                        # d is handed over: .grad holds no gradient, and a loop that forgot zero_grad() would add it
-                        # into the next backward's gradients (m off by d / (1 - beta)); torch's set_to_none
-                        p.grad = None
-        return updates
+    def finish_step(self) -> list[Update] | None:
+        """Wait for the exchanges, agree the step is finite, commit the staged ``m``, ``b`` and hand ``d`` to
+        ``step()``."""
+        return commit_staged(self, self.take_staged())
 
 
-class BirderHookState(HookState):
+def u_buffer(state: BirderStagedState, index: int, numel: int, dtype: torch.dtype, device, *, keep: bool):
+    """The buffer bucket or unit ``index`` encodes ``u`` into (and receives ``d`` in). With ``keep``, one per index,
+    reused every step; otherwise a new one. The FSDP hook keeps them (``step()`` reads ``d`` from them); the DDP hook
+    on CPU only (``d`` is read by the next step, and a new buffer would page-fault on every step; CUDA's caching
+    allocator reuses memory anyway)."""
+    if not keep:
+        return torch.empty(numel, dtype=dtype, device=device)
+    buf = state.u_buffers.get(index)
+    if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != device:
+        buf = state.u_buffers[index] = torch.empty(numel, dtype=dtype, device=device)
+    return buf
+
+
+def _scratch_for(state: BirderStagedState, p: torch.Tensor, opt_state: dict, group: dict) -> StateBuffers:
+    bufs = state.scratch.get(p)
+    amsgrad, feedback = group["amsgrad"], group["error_feedback"]
+    if (
+        bufs is None
+        or bufs.exp_avg.shape != opt_state["exp_avg"].shape
+        or (bufs.max_exp_avg_abs is None) == amsgrad
+        or (bufs.error is None) == feedback
+    ):
+        m = torch.empty_like(opt_state["exp_avg"])
+        extra = [torch.empty_like(m) if on else None for on in (amsgrad, feedback)]
+        bufs = StateBuffers(m, torch.empty_like(m), *extra)
+        state.scratch[p] = bufs
+    return bufs
+
+
+def encode_and_stage(state: BirderStagedState, items: list[tuple], u_flat: torch.Tensor, *, keep: bool = False):
+    """Encode ``items`` (parameter, its gradient, its group) into consecutive views of ``u_flat`` (logical order, as
+    in ``Birder.step()``) and stage their new ``m``, ``b`` for :func:`commit_staged` (with ``keep``: their views of
+    ``u_flat`` too, the directions ``step()`` applies). Returns the parameters and the keys of their bits."""
+    opt = state.optimizer
+    params, steps, at = [], [], 0
+    by_group: dict[int, tuple[dict, list, list, list]] = {}
+    for p, g, group in items:
+        steps.append(int(opt.init_state(p, group)["step"]) + 1)
+        ps, gs, vs = by_group.setdefault(id(group), (group, [], [], []))[1:]
+        ps.append(p)
+        gs.append(g)
+        vs.append(u_flat[at : at + g.numel()].view(g.shape))
+        params.append(p)
+        at += g.numel()
+    for group, ps, gs, vs in by_group.values():
+        bufs = [_scratch_for(state, p, opt.state[p], group) for p in ps]
+        maxes = [b.max_exp_avg_abs for b in bufs] if group["amsgrad"] else None
+        errors = [b.error for b in bufs] if group["error_feedback"] else None
+        staged = EncodeOut([b.exp_avg for b in bufs], [b.exp_avg_abs for b in bufs], maxes, vs, errors)
+        opt.encode(group, ps, gs, out=staged, grad_scale=state.loss_scale())
+        for p, b, u in zip(ps, bufs, vs):
+            state.stage(p, group, b, u if keep else None)
+    return params, opt.bit_keys(params, steps)
+
+
+def start_exchange(
+    state: BirderStagedState, u: torch.Tensor, keys, out: torch.Tensor | None = None
+) -> torch.futures.Future:
+    """Start the 1-bit all-reduce of ``u`` (flat) with the state's settings; ``d`` overwrites ``out`` (default
+    ``u``)."""
+    h, out = state, u if out is None else out
+    return onebit_all_reduce(
+        u, topology=h.topology, method=h.comm_settings, keys=keys, async_op=True, stats=h.step_stats, out=out
+    )
+
+
+def _sample_directions(state: BirderStagedState, fut: torch.futures.Future, items: list) -> torch.futures.Future:
+    """``fut`` (a bucket's ``d``, in the bucket's layout), recording the first element of each parameter's ``d`` when
+    it is ready, before DDP copies it into ``.grad``: :func:`commit_staged` checks ``.grad`` still holds it."""
+    kept = [b for b in items if b.param.numel() > 0]
+    if not kept:
+        return fut
+    params, offsets = [b.param for b in kept], [b.offset for b in kept]
+
+    def sample(f):
+        d = f.value()
+        values = d[torch.tensor(offsets, device=d.device)]
+        state.samples.update((p, (values, i)) for i, p in enumerate(params))
+        return d
+
+    return then(fut, sample)
+
+
+def _check_directions(state: BirderStagedState, pending: dict[torch.Tensor, Staged]) -> None:
+    # d in .grad must be what the hook produced: anything that rewrote .grad since (clip_grad_norm_ in an fp32
+    # loop, accelerator.clip_grad_norm_, an unscale, a hand edit) would scale a step that lr alone bounds
+    samples, state.samples = state.samples, {}
+    recorded, now = [], []
+    for p, (values, i) in samples.items():
+        if p in pending and pending[p].direction is None and p.grad is not None:
+            recorded.append(values[i])
+            now.append(p.grad[(0,) * p.grad.dim()])
+    if recorded and not torch.equal(torch.stack(recorded), torch.stack(now).to(recorded[0].dtype)):
+        what = f"The direction d that {state.hook_name} wrote into .grad was changed before step() (a "
+        what += "clip_grad_norm_, an unscale_ or an edit of .grad after backward)"
+        fix = "do not clip or rewrite .grad with the 1-bit hook (every step is bounded by lr already). Nothing "
+        fix += "was applied"
+        raise RuntimeError(explain(what, fix))
+
+
+def commit_staged(state: BirderStagedState, pending: dict[torch.Tensor, Staged] | None) -> list[Update] | None:
+    """Commit the staged ``m``, ``b`` (``pending``: the state's ``take_staged()``) and return what ``step()``
+    applies: each parameter's staged direction, else ``d`` in ``.grad`` (then set to ``None``: it is no gradient).
+    ``None``: every rank skips the step."""
+    if pending is None:
+        state.samples = {}
+        return None
+    _check_directions(state, pending)
+    opt, updates = state.optimizer, []
+    for group in opt.param_groups:
+        # not those no rank computed a gradient for (a gradient of None, or found unused by take_staged)
+        params = [p for p in group["params"] if p.grad is not None and p in pending]
+        for p in params:  # the committed buffers become the next step's scratch
+            state.scratch[p] = opt.commit_state(p, pending[p].record)
+        if params:
+            ds = [p.grad if pending[p].direction is None else pending[p].direction for p in params]
+            updates.append(Update(group, params, ds))
+            for p in params:
+                if pending[p].direction is None:
+                    # d is handed over: .grad holds no gradient, and a loop that forgot zero_grad() would add it
+                    # into the next backward's gradients (m off by d / (1 - beta)); torch's set_to_none
+                    p.grad = None
+    return updates
+
+
+class BirderHookState(BirderStagedState):
     """State of :func:`birder_hook`: the optimizer, the topology and the communication settings.
 
     Args:
@@ -205,15 +223,15 @@ class BirderHookState(HookState):
             ``g / S`` with the scale ``S`` each backward used (exact: a power of two), so ``m`` and ``b`` are those of
             the unscaled run (``docs/SETUPS.md``, fp16).
 
-    It owns two components: ``buckets`` (:class:`birder_hf.communicators.DDPBuckets`, DDP's side) and ``staging``
-    (:class:`BirderStaging`, Birder's side, which the FSDP hook's state owns too).
+    Slots: the user's settings (``optimizer``, ``topology``, ``comm_settings``, ``check_finite``, ``grad_scaler``),
+    the internal state (``buckets``, :class:`birder_hf.communicators.DDPBuckets`: where each gradient lies in DDP's
+    buckets; the staged buffers of :class:`BirderStagedState`; the step's agreement) and the statistics (``stats``,
+    ``last_step_stats``, ``step_stats``, ``steps_communicated``, ``skipped_steps``).
     """
 
-    optimizer_class = Birder
     hook_name = "birder_hook"
-    skip_unused = True
 
-    __slots__ = ("buckets", "staging")
+    __slots__ = ("buckets",)
 
     def __init__(
         self,
@@ -227,7 +245,6 @@ class BirderHookState(HookState):
         agree_group=None,
         grad_scaler=None,
     ):
-        self.staging = BirderStaging(self)
         comm, error = None, None
         try:  # built once, here; a bad value on one rank is raised on every rank by the set-up agreement
             comm = check_settings(method, inter_method, chunk_numel)
@@ -241,42 +258,36 @@ class BirderHookState(HookState):
     def description(self) -> str:
         return f"1-bit {self.comm_settings.method} hook"
 
-    def buffer_bytes(self) -> int:
-        """Bytes of the buffers kept between steps: the staged ``m``, ``b`` (and max ``b``) of every parameter."""
-        return self.staging.buffer_bytes()
-
-    def finish_step(self) -> list[Update] | None:
-        """Agree the step is finite, commit the staged ``m``, ``b``, and hand ``d`` (in ``.grad``) to ``step()``."""
-        return self.staging.commit(self.take_staged())
-
 
 def birder_hook(state: BirderHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: 1-bit all-reduce of Birder's ``u`` for one bucket (see module docstring).
 
-    Returns a Future whose value is the direction ``d`` for the bucket (bucket dtype), identical on
+    Encodes the bucket's parameters (their new ``m``, ``b`` staged until ``optimizer.step()``), starts the
+    all-reduce and returns a Future whose value is the direction ``d`` for the bucket (bucket dtype), identical on
     every rank, with ``E[d]`` the mean over ranks of their ``u``.
     """
-    return state.buckets.run(bucket, lambda items: _start_bucket(state, bucket.index(), bucket.buffer(), items))
-
-
-def _start_bucket(state: BirderHookState, index: int, buffer: torch.Tensor, items: list) -> torch.futures.Future:
-    # encode the bucket's parameters into scratch buffers (committed in optimizer.step()), start the all-reduce
-    state.optimizer.check_state_matches([b.param for b in items])
-    u_dtype = torch.float64 if buffer.dtype == torch.float64 else torch.float32
-    device = buffer.device
-    u_flat = state.staging.direction_buffer(index, buffer.numel(), u_dtype, device, keep=device.type == "cpu")
-    params, keys = state.staging.encode_and_stage([(b.param, b.grad, b.group) for b in items], u_flat)
-    strided, offset = [], 0  # (offset, shape, strides) of the gradients the bucket holds in another memory order
-    for p in params:
-        if is_dense(p) and not p.is_contiguous():  # DDP reads a new result tensor with p's strides
-            strided.append((offset, p.shape, p.stride()))
-        offset += p.numel()
-    if buffer.dtype != u_dtype or strided:
-        fut = state.staging.exchange(u_flat, keys)
-        fut = then(fut, lambda f: _to_bucket_layout(f.value().to(buffer.dtype), strided))
-    else:  # d straight into the bucket (its gradients are encoded already): DDP then has nothing to copy
-        fut = state.staging.exchange(u_flat, keys, out=buffer)
-    return state.staging.sample_directions(fut, items)
+    items = state.buckets.begin(bucket)  # the bucket's parameters, gradients and groups, checked
+    try:
+        state.optimizer.check_state_matches([b.param for b in items])
+        buffer = bucket.buffer()
+        u_dtype = torch.float64 if buffer.dtype == torch.float64 else torch.float32
+        keep = buffer.device.type == "cpu"
+        u_flat = u_buffer(state, bucket.index(), buffer.numel(), u_dtype, buffer.device, keep=keep)
+        params, keys = encode_and_stage(state, [(b.param, b.grad, b.group) for b in items], u_flat)
+        strided, offset = [], 0  # (offset, shape, strides) of the gradients the bucket holds in another memory order
+        for p in params:
+            if is_dense(p) and not p.is_contiguous():  # DDP reads a new result tensor with p's strides
+                strided.append((offset, p.shape, p.stride()))
+            offset += p.numel()
+        if buffer.dtype != u_dtype or strided:
+            fut = start_exchange(state, u_flat, keys)
+            fut = then(fut, lambda f: _to_bucket_layout(f.value().to(buffer.dtype), strided))
+        else:  # d straight into the bucket (its gradients are encoded already): DDP then has nothing to copy
+            fut = start_exchange(state, u_flat, keys, out=buffer)
+        return state.buckets.finish(bucket, _sample_directions(state, fut, items))
+    except BaseException:
+        state.unstage([b.param for b in items])  # nothing of the bucket stays staged
+        raise
 
 
 def _to_bucket_layout(d: torch.Tensor, strided: list) -> torch.Tensor:

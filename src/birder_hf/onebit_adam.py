@@ -418,7 +418,12 @@ def onebit_adam_hook(state: OneBitAdamHookState, bucket: dist.GradBucket) -> tor
     One all-to-all and one all-gather of ``(c/8 + 4k)`` bytes per peer per bucket (``c`` the elements
     of one shard of the bucket's ``k`` parameters, padded to whole bytes).
     """
-    return state.buckets.run(bucket, lambda items: _start_bucket(state, bucket.buffer(), items))
+    items = state.buckets.begin(bucket)
+    try:
+        return state.buckets.finish(bucket, _start_bucket(state, bucket.buffer(), items))
+    except BaseException:
+        state.unstage([item.param for item in items])  # nothing of the bucket stays staged
+        raise
 
 
 def _start_bucket(state: OneBitAdamHookState, buffer: torch.Tensor, items: list) -> torch.futures.Future:
