@@ -13,10 +13,10 @@ SNIPPETS = re.findall(r"```python\n# run: (.+?)\n(.*?)```", README, flags=re.S)
 
 
 def test_readme_has_the_snippets():
-    assert len(SNIPPETS) == 6  # DDP, Trainer, accelerate, timm, Lightning, FSDP
+    assert len(SNIPPETS) == 7  # one process, DDP, Trainer, accelerate, timm, Lightning, FSDP
 
 
-IDS = ["ddp", "trainer", "accelerate", "timm", "lightning", "fsdp"]
+IDS = ["one-process", "ddp", "trainer", "accelerate", "timm", "lightning", "fsdp"]
 
 
 @pytest.mark.parametrize("command, code", SNIPPETS, ids=IDS[: len(SNIPPETS)])
