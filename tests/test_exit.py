@@ -134,8 +134,9 @@ def _spin():
 
 def _readme_ddp_snippet():
     text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    command, code = re.findall(r"```python\n# run: (.+?)\n(.*?)```", text, flags=re.S)[0]
-    assert command.startswith("torchrun") and "DistributedDataParallel" in code
+    snippets = re.findall(r"```python\n# run: (.+?)\n(.*?)```", text, flags=re.S)
+    command, code = next((c, code) for c, code in snippets if "DistributedDataParallel" in code)
+    assert command.startswith("torchrun")
     return command, code
 
 

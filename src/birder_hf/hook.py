@@ -135,10 +135,9 @@ def start_exchange(
 ) -> torch.futures.Future:
     """Start the 1-bit all-reduce of ``u`` (flat) with the state's settings; ``d`` overwrites ``out`` (default
     ``u``)."""
-    h, out = state, u if out is None else out
-    return onebit_all_reduce(
-        u, topology=h.topology, method=h.comm_settings, keys=keys, async_op=True, stats=h.step_stats, out=out
-    )
+    topology, settings, stats = state.topology, state.comm_settings, state.step_stats
+    out = u if out is None else out
+    return onebit_all_reduce(u, topology=topology, method=settings, keys=keys, async_op=True, stats=stats, out=out)
 
 
 def _sample_directions(state: BirderStagedState, fut: torch.futures.Future, items: list) -> torch.futures.Future:
