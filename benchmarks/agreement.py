@@ -26,7 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from birder_hf import Topology, agreement, onebit_all_reduce, wire
+from birder_hf import Topology, collectives, onebit_all_reduce
 
 
 def _rank(rank: int, world: int, init: str, numel: int, calls: int, lookups: int, queue) -> None:
@@ -37,13 +37,13 @@ def _rank(rank: int, world: int, init: str, numel: int, calls: int, lookups: int
         topo = Topology.flat()
         u = torch.rand(numel) * 2 - 1
         gathers = []
-        real = wire._all_gather
+        real = collectives._all_gather
 
         def counting(out, inp, **kwargs):  # the check's all-gather is the only one of int64
             gathers.append(inp.dtype == torch.int64)
             return real(out, inp, **kwargs)
 
-        wire._all_gather = counting
+        collectives._all_gather = counting
         onebit_all_reduce(u, topology=topo, method="allgather", keys=1)
         first = sum(gathers)
         gathers.clear()
@@ -53,20 +53,21 @@ def _rank(rank: int, world: int, init: str, numel: int, calls: int, lookups: int
             onebit_all_reduce(u, topology=topo, method="allgather", keys=i)
             times.append(time.perf_counter() - t0)
         later = sum(gathers)
-        wire._all_gather = real
+        collectives._all_gather = real
 
-        signature = agreement.signature_of(topo, numel, "allgather", "allgather", 0, u.dtype)
+        signature = collectives.signature_of(topo, numel, "allgather", "allgather", 0, u.dtype)
         exchanges = []
         for _ in range(20):
             dist.barrier(group=topo.world_group)
             t0 = time.perf_counter()
-            agreement.check_signature(topo, signature, u.device)
+            collectives.check_signature(topo, signature, u.device)
             exchanges.append(time.perf_counter() - t0)
         per_lookup = []
         for _ in range(7):
             t0 = time.perf_counter()
             for _ in range(lookups):  # what a later call adds: build its signature, find it
-                agreement.needs_check(topo, agreement.signature_of(topo, numel, "allgather", "allgather", 0, u.dtype))
+                again = collectives.signature_of(topo, numel, "allgather", "allgather", 0, u.dtype)
+                collectives.needs_check(topo, again)
             per_lookup.append((time.perf_counter() - t0) / lookups)
         queue.put(
             (

@@ -33,10 +33,13 @@ import torch  # noqa: E402
 import torch._dynamo  # noqa: E402,F401  (imported before forking: ranks start fast)
 import torch.distributed as dist  # noqa: E402
 
-from birder_hf.collectives import expected_bytes, onebit_all_reduce  # noqa: E402
+from birder_hf.collectives import (  # noqa: E402
+    CommStats,  # noqa: E402
+    expected_bytes,
+    onebit_all_reduce,
+)
 from birder_hf.quantize import STAGE_WORKER, BitKeys, antithetic  # noqa: E402
 from birder_hf.topology import Topology  # noqa: E402
-from birder_hf.wire import CommStats  # noqa: E402
 
 
 def _cases(world: int):

@@ -29,8 +29,6 @@ MODULES = [
     "birder_hf.topology",
     "birder_hf.collectives",
     "birder_hf.settings",
-    "birder_hf.wire",
-    "birder_hf.agreement",
     "birder_hf.lifecycle",
     "birder_hf.quantize",
     "birder_hf.checkpoint",

@@ -1143,16 +1143,16 @@ def test_a_full_disk_says_so_and_keeps_the_previous_checkpoint(tmp_path):
 
 # ------------------------------------------------------------------------- the agreement check's cost
 def _count_checks(rank, world):
-    from birder_hf import wire
+    from birder_hf import collectives
 
     checks = []
-    real = wire._all_gather
+    real = collectives._all_gather
 
     def counting(out, inp, **kwargs):  # the check's all-gather is the only one of int64
         checks.append(inp.dtype == torch.int64)
         return real(out, inp, **kwargs)
 
-    wire._all_gather = counting
+    collectives._all_gather = counting
     topo = Topology.flat()
     counts = []
     for numel in (64, 64, 64, 128, 64):
@@ -1168,7 +1168,7 @@ def _count_checks(rank, world):
         p.grad = torch.randn(40)
         opt.step()
         steps.append(sum(checks))
-    wire._all_gather = real
+    collectives._all_gather = real
     return counts, steps
 
 

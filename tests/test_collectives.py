@@ -4,7 +4,7 @@ import pytest
 import torch
 from _dist import run_distributed
 
-from birder_hf.collectives import expected_bytes, onebit_all_reduce
+from birder_hf.collectives import CommStats, expected_bytes, onebit_all_reduce
 from birder_hf.quantize import (
     STAGE_INTER_SHARD,
     STAGE_NODE,
@@ -15,7 +15,6 @@ from birder_hf.quantize import (
     unpack_bits,
 )
 from birder_hf.topology import Topology
-from birder_hf.wire import CommStats
 
 # ------------------------------------------------------------------------------------------ reference
 

@@ -16,7 +16,7 @@ from _dist import run_distributed
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-import birder_hf.wire as wire
+import birder_hf.collectives as collectives
 from birder_hf import Birder, OneBitAdam, Topology
 from birder_hf.checkpoint import load_rank_state, save_rank_state
 from birder_hf.collectives import expected_bytes
@@ -178,16 +178,16 @@ def test_only_packed_bits_and_flags_cross_the_nodes():
         names = {"all_reduce": 0, "broadcast": 0, "reduce_scatter_tensor": 1, "all_gather_into_tensor": 1}
         names["all_to_all_single"] = 1
         saved = {n: getattr(dist, n) for n in names}
-        saved_gather = wire._all_gather
+        saved_gather = collectives._all_gather
         try:
             for n, sent in names.items():
                 setattr(dist, n, spy(n, saved[n], sent))
-            wire._all_gather = spy("onebit_all_gather", saved_gather, 1)
+            collectives._all_gather = spy("onebit_all_gather", saved_gather, 1)
             model, opt, hook, _ = _train_hsdp(rank, mesh, 3, "hierarchical")
         finally:
             for n in names:
                 setattr(dist, n, saved[n])
-            wire._all_gather = saved_gather
+            collectives._all_gather = saved_gather
         # in backward order: the last layer's unit reduces first
         shard_numels = [sum(p.to_local().numel() for p in model[i].parameters()) for i in reversed(LAYERS)]
         return crossing, shard_numels, hook.stats.as_dict()
@@ -565,7 +565,8 @@ def test_fp16_overflow_on_one_rank_backs_off_every_rank_on_both_fsdp_paths():
         mesh = _mesh()
         return {
             (path, scaled): _hsdp_fp16(rank, mesh, 6, in_backward=path == "hook", scaled=scaled)
-            for path in ("hook", "step") for scaled in (True, False)
+            for path in ("hook", "step")
+            for scaled in (True, False)
         }
 
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}

@@ -48,10 +48,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from birder_hf import Birder, BirderHookState, OneBitAdam, OneBitAdamHookState, Topology, birder_hook, onebit_adam_hook
-from birder_hf.collectives import onebit_all_reduce
+from birder_hf.collectives import CommStats, onebit_all_reduce
 from birder_hf.quantize import BitKeys
 from birder_hf.settings import CommSettings
-from birder_hf.wire import CommStats
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from throughput import METHODS  # noqa: E402  (the driver's list: stdlib-only module)

@@ -19,7 +19,7 @@ _EXPORTS = {
     "birder": "optim",
     "Topology": "topology",
     "onebit_all_reduce": "collectives",
-    "CommStats": "wire",
+    "CommStats": "collectives",
     "BirderHookState": "hook",
     "birder_hook": "hook",
     "attach_ddp_hook": "hook",
@@ -44,12 +44,11 @@ __all__ = [  # the names of _EXPORTS (a test checks they agree)
 ]
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports on first use
-    from .collectives import onebit_all_reduce
+    from .collectives import CommStats, onebit_all_reduce
     from .hook import BirderHookState, attach_ddp_hook, birder_hook
     from .onebit_adam import OneBitAdam, OneBitAdamHookState, onebit_adam_hook
     from .optim import Birder, birder
     from .topology import Topology
-    from .wire import CommStats
 
 
 def __getattr__(name: str):

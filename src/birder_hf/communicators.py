@@ -22,12 +22,11 @@ import torch
 import torch.distributed as dist
 
 from .base import Communicator, OneBitOptimizer, Update, all_finite, explain, local_tensor, state_dtype
-from .collectives import check_agreement, onebit_all_reduce
+from .collectives import CommStats, Job, Wire, check_agreement, launch_in_order, onebit_all_reduce
 from .lifecycle import then
 from .settings import CommSettings
 from .together import raise_together
 from .topology import Topology
-from .wire import CommStats, Job, Wire, launch_in_order
 
 __all__ = [
     "HookState",

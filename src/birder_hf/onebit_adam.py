@@ -37,10 +37,10 @@ from .base import (
     state_dtype,
     tensor_problem,
 )
+from .collectives import Job, Wire, fp32_allreduce_bytes, launch_in_order
 from .communicators import DDPBuckets, HookState
 from .quantize import pack_bits, unpack_bits
 from .topology import Topology
-from .wire import Job, Wire, fp32_allreduce_bytes, launch_in_order
 
 __all__ = ["OneBitAdam", "OneBitAdamHookState", "onebit_adam_hook", "compress_with_feedback", "shard_layout"]
 

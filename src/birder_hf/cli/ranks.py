@@ -208,9 +208,8 @@ def _measure(cfg: Config, device) -> dict:
     import torch
     import torch.distributed as dist
 
-    from ..collectives import expected_bytes, onebit_all_reduce
+    from ..collectives import CommStats, expected_bytes, onebit_all_reduce
     from ..topology import Topology
-    from ..wire import CommStats
 
     k, lws, rank = cfg.nnodes, cfg.nproc_per_node, cfg.rank
     world, wait = k * lws, timedelta(seconds=cfg.timeout)
