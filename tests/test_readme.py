@@ -1,4 +1,5 @@
-"""The README's Python snippets run as written (each names its launch command on its first line)."""
+"""The Python snippets of the README and of docs/SETUPS.md run as written (each names its launch command on its first
+line)."""
 
 import os
 import re
@@ -8,12 +9,19 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-README = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-SNIPPETS = re.findall(r"```python\n# run: (.+?)\n(.*?)```", README, flags=re.S)
+PATTERN = re.compile(r"```python\n# run: (.+?)\n(.*?)```", flags=re.S)
+
+
+def _snippets(name):
+    return PATTERN.findall(open(os.path.join(ROOT, name), encoding="utf-8").read())
+
+
+SNIPPETS = _snippets("README.md") + _snippets("docs/SETUPS.md")
 
 
 def test_readme_has_the_snippets():
-    assert len(SNIPPETS) == 7  # one process, DDP, Trainer, accelerate, timm, Lightning, FSDP
+    assert len(_snippets("README.md")) == 5  # one process, DDP, Trainer, accelerate, timm
+    assert len(SNIPPETS) == 7  # and SETUPS' Lightning and FSDP
 
 
 IDS = ["one-process", "ddp", "trainer", "accelerate", "timm", "lightning", "fsdp"]
