@@ -4,7 +4,8 @@
         --configs "birder=" "birder-beta0.8=--beta 0.8" "adamw=--optimizer adamw" --tag _beta
 
 Runs ``recipes/bert_base.py`` (``--task qa``: tiny BERT on the embedded SQuAD-format data, F1) or
-``recipes/causal_lm.py`` (``--task lm``: tiny GPT-2 on the standard library's text, validation perplexity) with their
+``recipes/causal_lm.py`` (``--task lm``: tiny GPT-2 on the standard library's text, validation perplexity) or
+``recipes/resnet50.py`` (``--task image``: a timm ResNet on the embedded digits, validation top-1) with their
 defaults plus each config's arguments, once per layout and seed, and writes ``docs/results/recipe_matrix_{task}{tag}``
 ``.json`` / ``.md`` / ``.png``: per layout and config, the median and the worst seed. Layouts: ``1`` is one process
 (plain ``python``, no communication); ``KxL`` is K simulated nodes of L CPU processes through ``accelerate launch``
@@ -31,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TASKS = {  # recipe, metric in all_results.json, higher is better
     "qa": ("bert_base.py", "eval_f1", True),
     "lm": ("causal_lm.py", "eval_perplexity", False),
+    "image": ("resnet50.py", "final_val_top1", True),
 }
 
 
@@ -83,8 +85,10 @@ def run_one(task: str, layout: str, name: str, extra: list[str], seed: int, work
         with open(log, "w") as f:
             subprocess.run(cmd, env=env, check=True, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
     metrics = json.loads(results.read_text())
-    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
-    losses = [h for h in history if "loss" in h]
+    if task == "image":  # the accelerate loop logs rank 0's training loss itself
+        losses = [{"step": h["step"], "loss": h["train_loss"]} for h in metrics["steps"]]
+    else:
+        losses = [h for h in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in h]
     return {"final": metrics[TASKS[task][1]], "train_loss": {"steps": [h["step"] for h in losses],
             "loss": [h["loss"] for h in losses]}}  # fmt: skip
 

@@ -363,6 +363,17 @@ def test_recipe_matrix_reports_median_and_worst_seed_per_cell(tmp_path):
     assert res["cells"]["1x2"].keys() == {"birder"} and res["cells"]["2x2"] == {}
     assert "| 1x2 | 2 | 3 | 50.0 / 40.0 |  |" in (tmp_path / "recipe_matrix_qa.md").read_text()
     assert (tmp_path / "recipe_matrix_qa.png").stat().st_size > 0
+    # the image recipe (an accelerate loop, no Trainer) logs its own loss curve in all_results.json
+    for seed, top1 in ((3, 90.0), (4, 80.0)):
+        run = tmp_path / "work" / "image" / f"2x2-sgdm-seed{seed}"
+        run.mkdir(parents=True)
+        steps = [{"step": 10, "train_loss": 2.5}, {"step": 20, "train_loss": 1.5}]
+        (run / "all_results.json").write_text(json.dumps({"final_val_top1": top1, "steps": steps}))
+    args = ["--task", "image", "--layouts", "2x2", "--seeds", "3", "4", "--configs", "sgdm=--optimizer sgdm",
+            "--work", str(tmp_path / "work"), "--results", str(tmp_path), "--report"]  # fmt: skip
+    assert matrix.main(args) == 0
+    cell = json.loads((tmp_path / "recipe_matrix_image.json").read_text())["cells"]["2x2"]["sgdm"]
+    assert cell["median"] == 85.0 and cell["worst"] == 80.0 and cell["curves"]["4"]["loss"] == [2.5, 1.5]
 
 
 def test_update_rule_ablation_runs_adams_rule_through_birders_step():
