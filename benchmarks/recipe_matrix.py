@@ -80,7 +80,7 @@ def run_one(task: str, layout: str, name: str, extra: list[str], seed: int, work
             if "--optimizer" not in extra or extra[extra.index("--optimizer") + 1] in ("birder", "onebitadam"):
                 cmd += ["--num_nodes", str(nodes)]
         print(f"[{layout} {name} seed {seed}] {shlex.join(cmd)}", flush=True)
-        log = out.with_suffix(".log")
+        log = out.with_name(out.name + ".log")  # not with_suffix: a name like beta0.8-seed0 has a dot
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "w") as f:
             subprocess.run(cmd, env=env, check=True, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)

@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -46,16 +47,34 @@ def _cite(name: str, commit: str | None = None) -> str:
 # ------------------------------------------------------------------------------------ quality: the recipes' matrix
 
 
-def _cell(name: str, layout: str, config: str) -> tuple[str, str | None]:
-    """``median / worst`` of one config at one layout of a ``benchmarks/recipe_matrix.py`` result, and its commit."""
-    result = _load(name)
-    cell = result["cells"][layout][config]
-    return f"{cell['median']:.1f} / {cell['worst']:.1f}", result.get("report_commit")
+def _pool(sources: list[tuple[str, str]], layout: str) -> tuple[dict[int, float], bool, list[str]]:
+    """Every seed's final metric of one setting at one layout, pooled over ``(result file, config)`` sources of
+    ``benchmarks/recipe_matrix.py`` (one setting run in several batches of seeds), whether higher is better, and the
+    citations (file and commit)."""
+    finals, cites, higher = {}, [], set()
+    for name, config in sources:
+        result = _load(name)
+        cell = result["cells"].get(layout, {}).get(config)
+        if cell is None:
+            raise KeyError(f"{name} has no config {config!r} at layout {layout}")
+        for seed, value in cell["final"].items():
+            if int(seed) in finals:
+                raise ValueError(f"seed {seed} of {config} at {layout} is in two sources")
+            finals[int(seed)] = value
+        higher.add(result["higher_is_better"])
+        cites.append(_cite(name, result.get("report_commit")))
+    (higher,) = higher
+    return finals, higher, cites
 
 
-def _seeds(name: str) -> str:
-    """The seeds a result ran, as runs: ``[3, 4, 5, 6, 7, 42]`` -> ``"3-7, 42"``."""
-    seeds = sorted(_load(name)["seeds"])
+def _median_worst(finals: dict[int, float], higher: bool) -> str:
+    values = list(finals.values())
+    return f"{statistics.median(values):.1f} / {(min if higher else max)(values):.1f}"
+
+
+def _seeds(seeds) -> str:
+    """Seeds as runs: ``[3, 4, 5, 6, 7, 42]`` -> ``"3-7, 42"``."""
+    seeds = sorted(seeds)
     spans, start = [], seeds[0]
     for prev, nxt in zip(seeds, seeds[1:] + [None]):
         if nxt != prev + 1:
@@ -68,32 +87,45 @@ def _layout(layout: str) -> str:
     return "1 process" if layout == "1" else layout.replace("x", " × ")
 
 
-# README's quality rows: (task, layout, Birder's (result file, config), AdamW's, what Birder ran with). Every
-# Birder cell ran with what the recipe does today without flags (the LM ones name those settings as flags: the runs
-# came before they were the recipe's defaults); a row whose settings differ from today's must say so in its last field.
+# README's quality rows: (task, layout, Birder's sources, AdamW's sources, what Birder ran with), each source a
+# (recipe_matrix result file, config). Every Birder cell ran with what the recipe does today without flags; where
+# the runs named those settings as flags (they came before the settings were the recipe's defaults) the last field
+# says so. Birder's and AdamW's seeds must be the same.
 DEFAULTS, AS_FLAGS = "the recipe's defaults", "the recipe's defaults, given as flags"
 QUALITY = [
-    ("QA F1 ↑", "1x2", ("recipe_matrix_qa.json", "birder"), ("recipe_matrix_qa.json", "adamw"), DEFAULTS),
-    ("QA F1 ↑", "2x2", ("recipe_matrix_qa.json", "birder"), ("recipe_matrix_qa.json", "adamw"), DEFAULTS),
+    (
+        "QA F1 ↑",
+        "1x2",
+        [("recipe_matrix_qa.json", "birder-beta0.8")],
+        [("recipe_matrix_qa.json", "adamw")],
+        AS_FLAGS,
+    ),
+    (
+        "QA F1 ↑",
+        "2x2",
+        [("recipe_matrix_qa_beta0.9_heldout.json", "birder-beta0.9")],
+        [("recipe_matrix_qa.json", "adamw"), ("recipe_matrix_qa_2x2_seeds6-7.json", "adamw")],
+        AS_FLAGS,
+    ),
     (
         "LM perplexity ↓",
         "1",
-        ("recipe_matrix_lm_lm1_rule.json", "rule"),
-        ("recipe_matrix_lm_lm1_rule.json", "adamw"),
+        [("recipe_matrix_lm_lm1_rule.json", "rule")],
+        [("recipe_matrix_lm_lm1_rule.json", "adamw")],
         DEFAULTS,
     ),
     (
         "LM perplexity ↓",
         "1x2",
-        ("recipe_matrix_lm_lm1x2_rule_heldout.json", "adamdir"),
-        ("recipe_matrix_lm_lm1x2.json", "adamw"),
+        [("recipe_matrix_lm_lm1x2_rule_heldout.json", "adamdir")],
+        [("recipe_matrix_lm_lm1x2.json", "adamw")],
         AS_FLAGS,
     ),
     (
         "LM perplexity ↓",
         "2x2",
-        ("recipe_matrix_lm_lm2x2_rule_heldout.json", "adamdir-lr4e-3"),
-        ("recipe_matrix_lm_lm2x2_rule.json", "adamw"),
+        [("recipe_matrix_lm_lm2x2_rule_heldout.json", "adamdir-lr4e-3")],
+        [("recipe_matrix_lm_lm2x2_rule.json", "adamw")],
         AS_FLAGS,
     ),
 ]
@@ -105,13 +137,15 @@ def standing() -> str:
         "| Measured (CPU processes on gloo) | Layout | Birder | Against | Stored result |",
         "|---|---|---|---|---|",
     ]
-    for task, layout, (b_file, b_cfg), (a_file, a_cfg), how in QUALITY:
-        birder, b_commit = _cell(b_file, layout, b_cfg)
-        adamw, a_commit = _cell(a_file, layout, a_cfg)
-        cites = _cite(b_file, b_commit) + ("" if a_file == b_file else f", {_cite(a_file, a_commit)}")
+    for task, layout, birder_sources, adamw_sources, how in QUALITY:
+        birder, higher, cites = _pool(birder_sources, layout)
+        adamw, _, adamw_cites = _pool(adamw_sources, layout)
+        if birder.keys() != adamw.keys():
+            raise ValueError(f"{task} at {layout}: Birder ran seeds {sorted(birder)}, AdamW {sorted(adamw)}")
+        cites += [c for c in adamw_cites if c not in cites]
         rows.append(
-            f"| {task}, median / worst of seeds {_seeds(b_file)} ({how}) | {_layout(layout)} | {birder} | "
-            f"AdamW {adamw} | {cites} |"
+            f"| {task}, median / worst of seeds {_seeds(birder)} ({how}) | {_layout(layout)} | "
+            f"{_median_worst(birder, higher)} | AdamW {_median_worst(adamw, higher)} | {', '.join(cites)} |"
         )
     for name, batch in (("throughput.json", 2), ("throughput_ethernet_bert8_6rounds.json", 8)):
         result = _load(name)
@@ -155,7 +189,7 @@ def matrix(*names: str) -> str:
     layouts = list(dict.fromkeys(layout for r in results.values() for layout in r["cells"]))
     metric = {r["metric"] for r in results.values()}
     rows = [
-        f"| {' / '.join(sorted(metric))}, median / worst | settings beyond the recipe's defaults | "
+        f"| {' / '.join(sorted(metric))}, median / worst | flags beyond the recipe's defaults at its commit | "
         + " | ".join(_layout(layout) for layout in layouts)
         + " | seeds | stored in |",
         "|---|---|" + "---|" * len(layouts) + "---|---|",
@@ -168,13 +202,56 @@ def matrix(*names: str) -> str:
                 cells.append(f"{cell['median']:.1f} / {cell['worst']:.1f}" if cell else "")
             settings = f"`{' '.join(flags)}`" if flags else "none"
             rows.append(
-                f"| {config} | {settings} | " + " | ".join(cells) + f" | {_seeds(name)} | "
+                f"| {config} | {settings} | " + " | ".join(cells) + f" | {_seeds(result['seeds'])} | "
                 f"{_cite(name, result.get('report_commit'))} |"
             )
     return "\n".join(rows) + "\n"
 
 
-BLOCKS = {"standing": standing, "matrix": matrix}
+# BENCHMARKS' held-out table of the BERT recipe's beta: setting -> layout -> sources pooled (as README's rows)
+QA_BETA_HELDOUT = {
+    "the recipe's default (0.8 at 2 voters, 0.9 at 4)": {
+        "1x2": [("recipe_matrix_qa.json", "birder-beta0.8")],
+        "2x2": [("recipe_matrix_qa_beta0.9_heldout.json", "birder-beta0.9")],
+    },
+    "beta 0.95 (the paper's; the recipe's default before)": {
+        "1x2": [("recipe_matrix_qa.json", "birder")],
+        "2x2": [("recipe_matrix_qa.json", "birder"), ("recipe_matrix_qa_2x2_seeds6-7.json", "birder-beta0.95")],
+    },
+    "beta 0.9": {
+        "1x2": [("recipe_matrix_qa_beta0.9_heldout.json", "birder-beta0.9")],
+        "2x2": [("recipe_matrix_qa_beta0.9_heldout.json", "birder-beta0.9")],
+    },
+    "beta 0.8": {
+        "1x2": [("recipe_matrix_qa.json", "birder-beta0.8")],
+        "2x2": [("recipe_matrix_qa.json", "birder-beta0.8")],
+    },
+    "AdamW (2e-3)": {
+        "1x2": [("recipe_matrix_qa.json", "adamw")],
+        "2x2": [("recipe_matrix_qa.json", "adamw"), ("recipe_matrix_qa_2x2_seeds6-7.json", "adamw")],
+    },
+}
+
+
+def qa_beta_heldout() -> str:
+    """The held-out seeds of each beta the BERT recipe's choice weighed, pooled over the runs that hold them."""
+    layouts = ["1x2", "2x2"]
+    rows = [
+        "| F1 on seeds no choice saw, median / worst (seeds) | " + " | ".join(map(_layout, layouts)) + " |",
+        "|---|" + "---|" * len(layouts),
+    ]
+    cited = []
+    for setting, by_layout in QA_BETA_HELDOUT.items():
+        cells = []
+        for layout in layouts:
+            finals, higher, cites = _pool(by_layout[layout], layout)
+            cells.append(f"{_median_worst(finals, higher)} ({_seeds(finals)})")
+            cited += [c for c in cites if c not in cited]
+        rows.append(f"| {setting} | " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n\nStored in " + ", ".join(cited) + ".\n"
+
+
+BLOCKS = {"standing": standing, "matrix": matrix, "qa_beta_heldout": qa_beta_heldout}
 
 
 def render(text: str, doc: Path = ROOT / "README.md") -> str:

@@ -49,7 +49,7 @@ from qa_utils import (  # noqa: E402
     prepare_train_features,
     squad_metrics,
 )
-from recipe_args import parse_recipe_args  # noqa: E402
+from recipe_args import is_config_file, parse_recipe_args, voters  # noqa: E402
 
 from birder_hf.integrations.accelerate import check_elastic_restart, check_really_distributed  # noqa: E402
 from birder_hf.integrations.transformers import BirderArguments, BirderTrainer  # noqa: E402
@@ -92,6 +92,22 @@ RECIPE_DEFAULTS = {
     "seed": 42,
     "ddp_find_unused_parameters": False,
 }
+
+# --beta for Birder, where the command line gives none: the EMA factor chosen for the number of workers that vote
+# (every rank under DDP, every node under --sharding hsdp). At each measured count, the best of 0.95 (the paper's),
+# 0.9, 0.8 and 0.7 by the median F1 of seeds 0-2: 0.8 at 2 voters (1 x 2 processes), 0.9 at 4 (2 x 2). Fewer than 2
+# take 2's, more than 4 take 4's: nothing else was measured. A smaller beta gives each rank a larger |u| = |m| / b,
+# so its 1-bit vote carries less noise, (1 - u^2) per coordinate, and a shorter memory of the gradient; the fewer the
+# voters, the more the first matters. docs/BENCHMARKS.md, "The BERT recipe's beta at two and four ranks (QA)".
+BETA_BY_VOTERS = {2: 0.8, 4: 0.9}
+
+
+def rule_beta(opt_args) -> tuple[float, str]:
+    """Birder's default ``beta`` here for the workers that vote, and why (logged by the run)."""
+    n = voters(opt_args)
+    chosen_at = max((k for k in BETA_BY_VOTERS if k <= n), default=min(BETA_BY_VOTERS))
+    beta = BETA_BY_VOTERS[chosen_at]
+    return beta, f"beta {beta:g}: chosen at {chosen_at} voting workers, {n} voting"
 
 
 @dataclass
@@ -163,6 +179,9 @@ class OptimizerArguments(BirderArguments):
     )
     momentum: float = field(default=0.9, metadata={"help": "sgdm only."})
 
+    # how beta was chosen (logged; not a flag)
+    beta_note: str = field(default="", init=False, repr=False)
+
     optimizers = ("birder", "onebitadam", "adamw", "sgdm")
 
     def __post_init__(self):
@@ -174,7 +193,16 @@ class OptimizerArguments(BirderArguments):
 def parse_args(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     types = (ModelArguments, DataArguments, OptimizerArguments, TrainingArguments)
-    return parse_recipe_args(types, argv, RECIPE_DEFAULTS)
+    model_args, data_args, opt_args, training_args = parse_recipe_args(types, argv, RECIPE_DEFAULTS)
+    apply_beta_rule(argv, opt_args)
+    return model_args, data_args, opt_args, training_args
+
+
+def apply_beta_rule(argv: list[str], opt_args) -> None:
+    """Birder's ``beta`` from ``BETA_BY_VOTERS`` unless the command line (or a config file) gives one."""
+    given = {a.split("=", 1)[0] for a in argv}
+    if opt_args.optimizer == "birder" and "--beta" not in given and not is_config_file(argv):
+        opt_args.beta, opt_args.beta_note = rule_beta(opt_args)
 
 
 def build_datasets(data_args, training_args):
@@ -245,6 +273,8 @@ def train(model_args, data_args, opt_args, training_args):
         logging.getLogger().setLevel(logging.WARNING)
     check_really_distributed(training_args.world_size)  # the accelerate --multi_gpu-on-CPU trap
     logger.info("world size %d, optimizer %s (%s)", training_args.world_size, opt_args.optimizer, opt_args.method)
+    if opt_args.optimizer == "birder":
+        logger.info("%s", opt_args.beta_note or f"beta {opt_args.beta:g}: given")
 
     train_raw, eval_raw = build_datasets(data_args, training_args)
     if data_args.max_train_samples is not None:

@@ -47,7 +47,7 @@ from transformers import (
 )
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from recipe_args import is_config_file, parse_recipe_args  # noqa: E402
+from recipe_args import is_config_file, parse_recipe_args, voters  # noqa: E402
 from stdlib_text import read_split, stdlib_corpus, token_blocks, train_bpe_tokenizer  # noqa: E402
 
 from birder_hf.base import local_tensor, unwrap_optimizer  # noqa: E402
@@ -169,15 +169,6 @@ def parse_args(argv=None):
     if not is_config_file(argv):  # a config file states every setting itself
         apply_rule_defaults(argv, opt_args, training_args)
     return model_args, data_args, opt_args, training_args
-
-
-def voters(opt_args) -> int:
-    """The workers whose votes Birder averages: every rank under DDP, every node under 1-bit HSDP (the launcher's
-    WORLD_SIZE and LOCAL_WORLD_SIZE, or --num_nodes)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if opt_args.sharding != "hsdp":
-        return world
-    return opt_args.num_nodes or max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
 
 
 def rule_learning_rate(opt_args) -> tuple[float, str]:

@@ -59,3 +59,12 @@ def check_writable(folder: str, flag: str) -> None:
         raise ValueError(f"{flag} {folder}: {path} is a file; choose a folder this job can write.")
     if not os.access(path, os.W_OK | os.X_OK):
         raise ValueError(f"{flag} {folder}: {path} is not writable; choose a folder this job can write.")
+
+
+def voters(opt_args) -> int:
+    """The workers whose votes Birder averages: every rank under DDP, every node under 1-bit HSDP (the launcher's
+    WORLD_SIZE and LOCAL_WORLD_SIZE, or --num_nodes)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if opt_args.sharding != "hsdp":
+        return world
+    return opt_args.num_nodes or max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
