@@ -199,7 +199,9 @@ def matrix(*names: str) -> str:
             cells = []
             for layout in layouts:
                 cell = result["cells"].get(layout, {}).get(config)
-                cells.append(f"{cell['median']:.1f} / {cell['worst']:.1f}" if cell else "")
+                ran = sorted(int(seed) for seed in cell["final"]) if cell else []
+                fewer = f" (seeds {_seeds(ran)})" if ran and ran != sorted(result["seeds"]) else ""
+                cells.append(f"{cell['median']:.1f} / {cell['worst']:.1f}{fewer}" if cell else "")
             settings = f"`{' '.join(flags)}`" if flags else "none"
             rows.append(
                 f"| {config} | {settings} | " + " | ".join(cells) + f" | {_seeds(result['seeds'])} | "
