@@ -93,21 +93,21 @@ RECIPE_DEFAULTS = {
     "ddp_find_unused_parameters": False,
 }
 
-# --beta for Birder, where the command line gives none: the EMA factor chosen for the number of workers that vote
-# (every rank under DDP, every node under --sharding hsdp). At each measured count, the best of 0.95 (the paper's),
-# 0.9, 0.8 and 0.7 by the median F1 of seeds 0-2: 0.8 at 2 voters (1 x 2 processes), 0.9 at 4 (2 x 2). Fewer than 2
-# take 2's, more than 4 take 4's: nothing else was measured. A smaller beta gives each rank a larger |u| = |m| / b,
-# so its 1-bit vote carries less noise, (1 - u^2) per coordinate, and a shorter memory of the gradient; the fewer the
-# voters, the more the first matters. docs/BENCHMARKS.md, "The BERT recipe's beta at two and four ranks (QA)".
-BETA_BY_VOTERS = {2: 0.8, 4: 0.9}
+# Birder's beta and stale mode, where the command line gives none: chosen for the number of workers that vote
+# (every rank under DDP, every node under --sharding hsdp), at each measured count by the median F1 of seeds 0-2:
+# beta the best of 0.95 (the paper's), 0.9, 0.8 (and 0.7 at 2), then the stale mode the better of fade and keep.
+# Fewer than 2 voters take 2's, more than 4 take 4's: nothing else was measured. A smaller beta gives each rank a
+# larger |u| = |m| / b, so its 1-bit vote carries less noise, (1 - u^2) per coordinate, and a shorter memory of the
+# gradient; the fewer the voters, the more the first matters. docs/BENCHMARKS.md, "The BERT recipe's beta at two and
+# four ranks (QA)".
+RULE_BY_VOTERS = {2: {"beta": 0.8, "stale": "keep"}, 4: {"beta": 0.9, "stale": "fade"}}
 
 
-def rule_beta(opt_args) -> tuple[float, str]:
-    """Birder's default ``beta`` here for the workers that vote, and why (logged by the run)."""
+def voter_rule(opt_args) -> tuple[dict, int, int]:
+    """Birder's default settings here for the workers that vote: the rule, the count it was chosen at, the voters."""
     n = voters(opt_args)
-    chosen_at = max((k for k in BETA_BY_VOTERS if k <= n), default=min(BETA_BY_VOTERS))
-    beta = BETA_BY_VOTERS[chosen_at]
-    return beta, f"beta {beta:g}: chosen at {chosen_at} voting workers, {n} voting"
+    chosen_at = max((k for k in RULE_BY_VOTERS if k <= n), default=min(RULE_BY_VOTERS))
+    return RULE_BY_VOTERS[chosen_at], chosen_at, n
 
 
 @dataclass
@@ -179,8 +179,8 @@ class OptimizerArguments(BirderArguments):
     )
     momentum: float = field(default=0.9, metadata={"help": "sgdm only."})
 
-    # how beta was chosen (logged; not a flag)
-    beta_note: str = field(default="", init=False, repr=False)
+    # how the voter rule's settings were chosen (logged; not a flag)
+    rule_note: str = field(default="", init=False, repr=False)
 
     optimizers = ("birder", "onebitadam", "adamw", "sgdm")
 
@@ -194,15 +194,26 @@ def parse_args(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     types = (ModelArguments, DataArguments, OptimizerArguments, TrainingArguments)
     model_args, data_args, opt_args, training_args = parse_recipe_args(types, argv, RECIPE_DEFAULTS)
-    apply_beta_rule(argv, opt_args)
+    apply_voter_rule(argv, opt_args)
     return model_args, data_args, opt_args, training_args
 
 
-def apply_beta_rule(argv: list[str], opt_args) -> None:
-    """Birder's ``beta`` from ``BETA_BY_VOTERS`` unless the command line (or a config file) gives one."""
-    given = {a.split("=", 1)[0] for a in argv}
-    if opt_args.optimizer == "birder" and "--beta" not in given and not is_config_file(argv):
-        opt_args.beta, opt_args.beta_note = rule_beta(opt_args)
+def apply_voter_rule(argv: list[str], opt_args) -> None:
+    """Birder's settings from ``RULE_BY_VOTERS``, each unless the command line gives it, and the note the run logs.
+    A config file states every setting itself (where it names none, ``BirderArguments``' defaults apply), as in
+    ``causal_lm.py``."""
+    if opt_args.optimizer != "birder" or is_config_file(argv):
+        return
+    given = {a.split("=", 1)[0][2:] for a in argv if a.startswith("--")}
+    rule, chosen_at, n = voter_rule(opt_args)
+    applied = {name: value for name, value in rule.items() if name not in given}
+    for name, value in applied.items():
+        setattr(opt_args, name, value)
+    if applied:
+        shown = ", ".join(
+            f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}" for name, value in applied.items()
+        )
+        opt_args.rule_note = f"{shown}: chosen at {chosen_at} voting workers, {n} voting"
 
 
 def build_datasets(data_args, training_args):
@@ -274,7 +285,7 @@ def train(model_args, data_args, opt_args, training_args):
     check_really_distributed(training_args.world_size)  # the accelerate --multi_gpu-on-CPU trap
     logger.info("world size %d, optimizer %s (%s)", training_args.world_size, opt_args.optimizer, opt_args.method)
     if opt_args.optimizer == "birder":
-        logger.info("%s", opt_args.beta_note or f"beta {opt_args.beta:g}: given")
+        logger.info("%s", opt_args.rule_note or f"beta {opt_args.beta:g}, stale {opt_args.stale}: given")
 
     train_raw, eval_raw = build_datasets(data_args, training_args)
     if data_args.max_train_samples is not None:

@@ -161,7 +161,7 @@ def test_causal_lm_update_rule_supplies_only_what_the_command_line_leaves_out(mo
         recipe.parse_args(["--update_rule", "sgd"])
 
 
-def test_bert_recipe_beta_follows_the_voting_workers_unless_given(monkeypatch):
+def test_bert_recipe_settings_follow_the_voting_workers_unless_given(monkeypatch):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bert_base", os.path.join(ROOT, "recipes", "bert_base.py"))
@@ -169,26 +169,28 @@ def test_bert_recipe_beta_follows_the_voting_workers_unless_given(monkeypatch):
     spec.loader.exec_module(sys.modules["bert_base"])
     recipe = sys.modules["bert_base"]
 
-    def beta(*argv, world=2, local=2):
+    def rule(*argv, world=2, local=2):
         _, _, opt, _ = recipe.parse_args(list(argv))  # one process: the Trainer's arguments see no launcher
         with monkeypatch.context() as env:  # what accelerate launch / torchrun set, for the rule alone
             env.setenv("WORLD_SIZE", str(world))
             env.setenv("LOCAL_WORLD_SIZE", str(local))
-            opt.beta_note = ""
-            recipe.apply_beta_rule(list(argv), opt)
-        return opt.beta, opt.beta_note
+            opt.rule_note = ""
+            recipe.apply_voter_rule(list(argv), opt)
+        return opt.beta, opt.stale, opt.rule_note
 
-    assert beta() == (0.8, "beta 0.8: chosen at 2 voting workers, 2 voting")
-    assert beta(world=4) == (0.9, "beta 0.9: chosen at 4 voting workers, 4 voting")
-    assert beta(world=1, local=1)[0] == 0.8  # fewer than measured: the smallest count's
-    assert beta(world=3, local=3)[0] == 0.8
-    assert beta(world=32, local=8) == (0.9, "beta 0.9: chosen at 4 voting workers, 32 voting")  # more: the largest's
-    assert beta("--sharding", "hsdp", world=4, local=2)[0] == 0.8  # 2 nodes of 2 ranks: 2 voters
-    assert beta("--beta", "0.95", world=4) == (0.95, "")  # a given flag stands
-    assert beta("--beta=0.7")[0] == 0.7
-    assert beta("--optimizer", "adamw")[1] == ""  # no Birder, no rule
+    two, four = recipe.RULE_BY_VOTERS[2], recipe.RULE_BY_VOTERS[4]
+    assert rule() == (two["beta"], two["stale"], f"beta {two['beta']:g}, stale {two['stale']}: chosen at 2 voting "
+                      "workers, 2 voting")  # fmt: skip
+    assert rule(world=4)[:2] == (four["beta"], four["stale"])
+    assert rule(world=1, local=1)[:2] == rule(world=3, local=3)[:2] == rule()[:2]  # fewer than measured, or between
+    assert rule(world=32, local=8)[2].endswith("chosen at 4 voting workers, 32 voting")  # more: the largest's
+    assert rule("--sharding", "hsdp", world=4, local=2)[:2] == rule()[:2]  # 2 nodes of 2 ranks: 2 voters
+    assert rule("--beta", "0.95", world=4) == (0.95, four["stale"], f"stale {four['stale']}: chosen at 4 voting "
+                "workers, 4 voting")  # fmt: skip  # a given flag stands
+    assert rule("--beta=0.7", "--stale", "lazy") == (0.7, "lazy", "")
+    assert rule("--optimizer", "adamw")[2] == ""  # no Birder, no rule
     _, _, opt, _ = recipe.parse_args([])
-    assert (opt.beta, opt.beta_note) == (0.8, "beta 0.8: chosen at 2 voting workers, 1 voting")  # what the run logs
+    assert opt.rule_note.endswith("chosen at 2 voting workers, 1 voting")  # what the run logs
 
 
 def test_bert_recipe_baseline_and_bad_arguments(tmp_path):
