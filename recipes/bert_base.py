@@ -49,7 +49,7 @@ from qa_utils import (  # noqa: E402
     prepare_train_features,
     squad_metrics,
 )
-from recipe_args import is_config_file, parse_recipe_args, voters  # noqa: E402
+from recipe_args import given_flags, is_config_file, parse_recipe_args, voters  # noqa: E402
 
 from birder_hf.integrations.accelerate import check_elastic_restart, check_really_distributed  # noqa: E402
 from birder_hf.integrations.transformers import BirderArguments, BirderTrainer  # noqa: E402
@@ -204,7 +204,7 @@ def apply_voter_rule(argv: list[str], opt_args) -> None:
     ``causal_lm.py``."""
     if opt_args.optimizer != "birder" or is_config_file(argv):
         return
-    given = {a.split("=", 1)[0][2:] for a in argv if a.startswith("--")}
+    given = given_flags(argv)
     rule, chosen_at, n = voter_rule(opt_args)
     applied = {name: value for name, value in rule.items() if name not in given}
     for name, value in applied.items():

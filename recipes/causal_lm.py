@@ -47,7 +47,7 @@ from transformers import (
 )
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from recipe_args import is_config_file, parse_recipe_args, voters  # noqa: E402
+from recipe_args import given_flags, is_config_file, parse_recipe_args, voters  # noqa: E402
 from stdlib_text import read_split, stdlib_corpus, token_blocks, train_bpe_tokenizer  # noqa: E402
 
 from birder_hf.base import local_tensor, unwrap_optimizer  # noqa: E402
@@ -185,7 +185,7 @@ def rule_learning_rate(opt_args) -> tuple[float, str]:
 
 def apply_rule_defaults(argv: list[str], opt_args, training_args) -> None:
     """Fill the learning rate and Birder's rule settings the command line left out (see ``UPDATE_RULES``)."""
-    given = {a.split("=", 1)[0][2:] for a in argv if a.startswith("--")}
+    given = given_flags(argv)
     if opt_args.optimizer != "birder":
         if "learning_rate" not in given:
             training_args.learning_rate = DEFAULT_LR[opt_args.optimizer]

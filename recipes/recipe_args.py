@@ -21,6 +21,12 @@ import torch
 from transformers import HfArgumentParser
 
 
+def given_flags(argv: list[str]) -> set[str]:
+    """The flags the command line names, without their dashes: ``["--beta=0.8", "--stale", "keep"]`` ->
+    ``{"beta", "stale"}``."""
+    return {a.split("=", 1)[0][2:] for a in argv if a.startswith("--")}
+
+
 def is_config_file(argv: list[str]) -> bool:
     """Whether ``argv`` is one YAML or JSON file holding every argument."""
     return len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml"))
@@ -33,8 +39,8 @@ def parse_recipe_args(dataclass_types: tuple, argv: list[str], defaults: dict) -
         loader = parser.parse_json_file if argv[0].endswith(".json") else parser.parse_yaml_file
         return tuple(loader(os.path.abspath(argv[0])))
     defaults = dict(defaults, **({} if torch.cuda.is_available() else {"use_cpu": True}))
-    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
-    if "--save_steps" in given and "--save_strategy" not in given:
+    given = given_flags(argv)
+    if "save_steps" in given and "save_strategy" not in given:
         defaults["save_strategy"] = "steps"  # asking for checkpoints every N steps gets them
     parser.set_defaults(**defaults)
     parsed = tuple(parser.parse_args_into_dataclasses(args=argv))

@@ -97,16 +97,20 @@ def _check_model_card(path, results):
     assert index["results"][0]["task"]["type"] == "question-answering"
 
 
-@pytest.mark.parametrize("name", ["bert_base", "causal_lm"])
-def test_recipe_arguments_save_steps_alone_writes_checkpoints_and_numbers_are_finite(name):
-    # causal_lm's --save_steps N used to leave save_strategy "no": an elastic restart (auto) started from step 0
+def _recipe_module(name):
+    """recipes/<name>.py imported as a module, once (its dataclasses look their module up in sys.modules)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "recipes", f"{name}.py"))
-    recipe = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(name, recipe)  # its dataclasses look their module up
+    sys.modules.setdefault(name, importlib.util.module_from_spec(spec))
     spec.loader.exec_module(sys.modules[name])
-    recipe = sys.modules[name]
+    return sys.modules[name]
+
+
+@pytest.mark.parametrize("name", ["bert_base", "causal_lm"])
+def test_recipe_arguments_save_steps_alone_writes_checkpoints_and_numbers_are_finite(name):
+    # causal_lm's --save_steps N used to leave save_strategy "no": an elastic restart (auto) started from step 0
+    recipe = _recipe_module(name)
     strategy = lambda *argv: recipe.parse_args(list(argv))[-1].save_strategy.value  # noqa: E731
     assert strategy() == "no"  # the recipe's default: no checkpoints
     assert strategy("--save_steps", "5") == "steps"  # asked for checkpoints: gets them (was: none)
@@ -127,12 +131,7 @@ def test_recipe_arguments_save_steps_alone_writes_checkpoints_and_numbers_are_fi
 
 
 def test_causal_lm_update_rule_supplies_only_what_the_command_line_leaves_out(monkeypatch):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("causal_lm", os.path.join(ROOT, "recipes", "causal_lm.py"))
-    sys.modules.setdefault("causal_lm", importlib.util.module_from_spec(spec))  # its dataclasses look their module up
-    spec.loader.exec_module(sys.modules["causal_lm"])
-    recipe = sys.modules["causal_lm"]
+    recipe = _recipe_module("causal_lm")
 
     def rule(*argv, world=2, local=2):
         _, _, opt, training = recipe.parse_args(list(argv))  # one process: the Trainer's arguments see no launcher
@@ -162,12 +161,7 @@ def test_causal_lm_update_rule_supplies_only_what_the_command_line_leaves_out(mo
 
 
 def test_bert_recipe_settings_follow_the_voting_workers_unless_given(monkeypatch):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bert_base", os.path.join(ROOT, "recipes", "bert_base.py"))
-    sys.modules.setdefault("bert_base", importlib.util.module_from_spec(spec))  # its dataclasses look their module up
-    spec.loader.exec_module(sys.modules["bert_base"])
-    recipe = sys.modules["bert_base"]
+    recipe = _recipe_module("bert_base")
 
     def rule(*argv, world=2, local=2):
         _, _, opt, _ = recipe.parse_args(list(argv))  # one process: the Trainer's arguments see no launcher
