@@ -77,7 +77,8 @@ def run_one(task: str, layout: str, name: str, extra: list[str], seed: int, work
             cmd = ["accelerate", "launch", "--config_file", str(ROOT / "accelerate_configs" / "cpu.yaml"),
                    "--num_processes", str(nodes * local), "--num_machines", "1",
                    "--main_process_port", str(_free_port()), *recipe]  # fmt: skip
-            if "--optimizer" not in extra or extra[extra.index("--optimizer") + 1] in ("birder", "onebitadam"):
+            birder = "--optimizer" not in extra or extra[extra.index("--optimizer") + 1] in ("birder", "onebitadam")
+            if birder or "--local_steps" in extra:  # the 1-bit exchange's (or the outer exchange's) node layout
                 cmd += ["--num_nodes", str(nodes)]
         print(f"[{layout} {name} seed {seed}] {shlex.join(cmd)}", flush=True)
         log = out.with_name(out.name + ".log")  # not with_suffix: a name like beta0.8-seed0 has a dot

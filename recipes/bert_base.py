@@ -49,10 +49,22 @@ from qa_utils import (  # noqa: E402
     prepare_train_features,
     squad_metrics,
 )
-from recipe_args import given_flags, is_config_file, parse_recipe_args, voters  # noqa: E402
+from recipe_args import (  # noqa: E402
+    check_local_steps,
+    given_flags,
+    is_config_file,
+    local_steps_metrics,
+    parse_recipe_args,
+    voters,
+)
 
 from birder_hf.integrations.accelerate import check_elastic_restart, check_really_distributed  # noqa: E402
-from birder_hf.integrations.transformers import BirderArguments, BirderTrainer  # noqa: E402
+from birder_hf.integrations.transformers import (  # noqa: E402
+    BirderArguments,
+    BirderTrainer,
+    LocalStepsArguments,
+    LocalStepsTrainer,
+)
 from birder_hf.lifecycle import release_process_groups  # noqa: E402
 
 logger = logging.getLogger("bert_base")
@@ -167,7 +179,7 @@ class DataArguments:
 
 
 @dataclass
-class OptimizerArguments(BirderArguments):
+class OptimizerArguments(BirderArguments, LocalStepsArguments):
     optimizer: str = field(
         default="birder",
         metadata={
@@ -186,6 +198,8 @@ class OptimizerArguments(BirderArguments):
 
     def __post_init__(self):
         super().__post_init__()
+        LocalStepsArguments.__post_init__(self)
+        check_local_steps(self)
         if self.hierarchy:
             self.method = "hierarchical"
 
@@ -260,11 +274,10 @@ def build_trainer(opt_args, **kwargs):
     if opt_args.optimizer in ("birder", "onebitadam"):
         return BirderTrainer(birder_args=opt_args, **kwargs)  # the optimizer, its 1-bit hook, per-rank state
     if opt_args.optimizer == "sgdm":
-        sgd = (
-            torch.optim.SGD,
-            dict(lr=args.learning_rate, momentum=opt_args.momentum, weight_decay=args.weight_decay),
-        )
-        return Trainer(optimizer_cls_and_kwargs=sgd, **kwargs)
+        sgd = dict(lr=args.learning_rate, momentum=opt_args.momentum, weight_decay=args.weight_decay)
+        kwargs["optimizer_cls_and_kwargs"] = (torch.optim.SGD, sgd)
+    if opt_args.local_steps:  # each rank alone for --local_steps steps, then DiLoCo's outer step on a 1-bit exchange
+        return LocalStepsTrainer(local_args=opt_args, **kwargs)
     return Trainer(**kwargs)  # AdamW with fp32 all-reduce: the uncompressed baseline
 
 
@@ -324,6 +337,7 @@ def train(model_args, data_args, opt_args, training_args):
         metrics.update({k: v for k, v in state.stats.as_dict("comm/").items()})
         metrics["comm/topology"] = repr(state.topology)
         metrics["comm/method"] = opt_args.method if opt_args.optimizer == "birder" else opt_args.optimizer
+    metrics.update(local_steps_metrics(trainer))
     trainer.save_model()  # save_pretrained: config, weights (safetensors), tokenizer
     trainer.save_metrics("all", metrics)  # all_results.json
     trainer.save_state()

@@ -47,12 +47,25 @@ from transformers import (
 )
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from recipe_args import given_flags, is_config_file, parse_recipe_args, voters  # noqa: E402
+from recipe_args import (  # noqa: E402
+    check_local_steps,
+    given_flags,
+    is_config_file,
+    local_steps_metrics,
+    parse_recipe_args,
+    voters,
+)
 from stdlib_text import read_split, stdlib_corpus, token_blocks, train_bpe_tokenizer  # noqa: E402
 
 from birder_hf.base import local_tensor, unwrap_optimizer  # noqa: E402
 from birder_hf.integrations.accelerate import check_elastic_restart, check_really_distributed  # noqa: E402
-from birder_hf.integrations.transformers import BirderArguments, BirderTrainer, HSDPTrainer  # noqa: E402
+from birder_hf.integrations.transformers import (  # noqa: E402
+    BirderArguments,
+    BirderTrainer,
+    HSDPTrainer,
+    LocalStepsArguments,
+    LocalStepsTrainer,
+)
 from birder_hf.lifecycle import release_process_groups  # noqa: E402
 
 logger = logging.getLogger("causal_lm")
@@ -141,7 +154,7 @@ class DataArguments:
 
 
 @dataclass
-class OptimizerArguments(BirderArguments):
+class OptimizerArguments(BirderArguments, LocalStepsArguments):
     optimizer: str = field(
         default="birder", metadata={"help": "birder | onebitadam (DDP only) | adamw (the uncompressed baseline)."}
     )
@@ -158,6 +171,8 @@ class OptimizerArguments(BirderArguments):
 
     def __post_init__(self):
         super().__post_init__()
+        LocalStepsArguments.__post_init__(self)
+        check_local_steps(self)
         if self.update_rule not in UPDATE_RULES:
             raise ValueError(f"--update_rule {self.update_rule!r}; choose one of {', '.join(UPDATE_RULES)}.")
 
@@ -298,6 +313,8 @@ def build_trainer(opt_args, **kwargs):
         return BirderTrainer(birder_args=opt_args, **kwargs)
     if opt_args.sharding == "hsdp":
         return HSDPTrainer(num_nodes=opt_args.num_nodes, **kwargs)  # native HSDP: fp32 across the nodes
+    if opt_args.local_steps:  # each rank alone for --local_steps steps, then DiLoCo's outer step on a 1-bit exchange
+        return LocalStepsTrainer(local_args=opt_args, **kwargs)
     return Trainer(**kwargs)  # AdamW with DDP's fp32 all-reduce
 
 
@@ -347,6 +364,7 @@ def train(model_args, data_args, opt_args, training_args):
         metrics.update(state.stats.as_dict("comm/"))
         metrics["comm/topology"] = repr(state.topology)
         metrics["comm/method"] = opt_args.method
+    metrics.update(local_steps_metrics(trainer))
     trainer.save_model()  # save_pretrained: config, weights (safetensors), tokenizer
     trainer.save_metrics("all", metrics)  # all_results.json
     trainer.save_state()

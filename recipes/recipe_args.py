@@ -74,3 +74,31 @@ def voters(opt_args) -> int:
     if opt_args.sharding != "hsdp":
         return world
     return opt_args.num_nodes or max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
+
+
+def check_local_steps(opt_args) -> None:
+    """``--local_steps H`` (``LocalStepsArguments``, mixed into the recipes' optimizer arguments): the inner optimizer
+    is an uncompressed one, the model whole on every rank; ``--num_nodes`` also lays out the outer exchange."""
+    if not opt_args.local_steps:
+        return
+    if opt_args.optimizer in ("birder", "onebitadam"):
+        raise ValueError(
+            f"--local_steps runs an uncompressed inner optimizer alone on each rank, not {opt_args.optimizer} (whose "
+            "exchange is every step's); add --optimizer adamw (the outer exchange is 1 bit: --outer_exchange)."
+        )
+    if opt_args.sharding != "none":
+        raise ValueError("--local_steps keeps the whole model on every rank; drop --sharding.")
+    if opt_args.outer_num_nodes is None:
+        opt_args.outer_num_nodes = opt_args.num_nodes
+
+
+def local_steps_metrics(trainer) -> dict:
+    """The outer exchange's bytes and settings for ``all_results.json`` (nothing without local steps)."""
+    local = getattr(trainer, "local_steps", None)
+    if local is None:
+        return {}
+    out = local.stats.as_dict("comm/")
+    out["comm/topology"] = repr(local.topology)
+    out["comm/method"] = f"local_steps {local.local_steps}, outer exchange {local.exchange}"
+    out["outer_steps"] = local.outer_steps
+    return out

@@ -26,6 +26,7 @@ _EXPORTS = {
     "OneBitAdam": "onebit_adam",
     "OneBitAdamHookState": "onebit_adam",
     "onebit_adam_hook": "onebit_adam",
+    "LocalSteps": "local_steps",
 }
 
 __all__ = [  # the names of _EXPORTS (a test checks they agree)
@@ -40,12 +41,14 @@ __all__ = [  # the names of _EXPORTS (a test checks they agree)
     "OneBitAdam",
     "OneBitAdamHookState",
     "onebit_adam_hook",
+    "LocalSteps",
     "__version__",
 ]
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports on first use
     from .collectives import CommStats, onebit_all_reduce
     from .hook import BirderHookState, attach_ddp_hook, birder_hook
+    from .local_steps import LocalSteps
     from .onebit_adam import OneBitAdam, OneBitAdamHookState, onebit_adam_hook
     from .optim import Birder, birder
     from .topology import Topology

@@ -7,8 +7,9 @@ run. So every rank writes its own full ``optimizer.state_dict()`` next to the fr
 
     <checkpoint>/birder/rank_00000-of-00004.pt, rank_00001-of-00004.pt, ...
 
-and loads its own on resume. What is saved: every tensor and number of the optimizer state (``step``,
-``exp_avg``, ``exp_avg_abs``, ``max_exp_avg_abs``) and the param groups, including the ``seed`` of the
+and loads its own on resume. (``birder_hf.local_steps.LocalSteps`` saves its per-rank state the same way: between outer
+steps every rank's weights and inner optimizer differ.) What is saved: every tensor and number of the optimizer state
+(``step``, ``exp_avg``, ``exp_avg_abs``, ``max_exp_avg_abs``) and the param groups, including the ``seed`` of the
 counter-based random bits; nothing else is rank-local (the bits are a function of seed, step,
 parameter and rank), so a resume continues bit for bit. Files hold plain tensors and numbers and
 load with ``torch.load(weights_only=True)``. They are written to a temporary file, flushed to disk and
@@ -80,11 +81,15 @@ def rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return int(rank), int(world_size)
 
 
-def _one_bit(optimizer, where: str) -> OneBitOptimizer:
+def _owner(optimizer, where: str):
+    # whose per-rank state: a birder-hf optimizer (in any framework's wrapper), or a birder_hf.local_steps.LocalSteps
     opt = unwrap_optimizer(optimizer)
-    if not isinstance(opt, OneBitOptimizer):
+    if not isinstance(opt, OneBitOptimizer) and not all(
+        callable(getattr(opt, name, None)) for name in ("state_dict", "check_state_dict", "load_own_state_dict")
+    ):
         model = " (a model? pass the optimizer)" if isinstance(opt, torch.nn.Module) else ""
-        raise TypeError(f"{where} takes a birder_hf Birder or OneBitAdam optimizer, got {type(opt).__name__}{model}.")
+        what = f"{where} takes a birder_hf Birder or OneBitAdam optimizer or a LocalSteps"
+        raise TypeError(f"{what}, got {type(opt).__name__}{model}.")
     return opt
 
 
@@ -98,7 +103,7 @@ def save_rank_state(optimizer, checkpoint_dir: str, *, rank: int | None = None, 
     A failed write leaves the previous file of that name as it was. On a full disk the error is an
     ``OSError(ENOSPC)`` that says so, with the bytes needed and free, and names the file that was kept.
     """
-    opt = _one_bit(optimizer, "save_rank_state")
+    opt = _owner(optimizer, "save_rank_state")
     rank, world_size = rank_and_world(rank, world_size)
     path = rank_state_path(checkpoint_dir, rank, world_size)
     payload = {"format": _FORMAT, "rank": rank, "world_size": world_size, "optimizer": opt.state_dict()}
@@ -211,7 +216,7 @@ def read_own_rank_state(optimizer, checkpoint_dir: str, *, rank: int | None = No
     rank together: if any rank's file is missing, unreadable or does not fit, every rank raises that rank's error
     (one all-gather), instead of the others waiting for it in the framework's next collective until the timeout.
     Returns this rank's state dict; the integrations' load paths use it."""
-    opt = _one_bit(optimizer, "read_own_rank_state")
+    opt = _owner(optimizer, "read_own_rank_state")
     rank, world_size = rank_and_world(rank, world_size)
     state, failure = None, None
     try:
@@ -229,7 +234,7 @@ def load_rank_state(optimizer, checkpoint_dir: str, *, rank: int | None = None, 
 
     Collective when ``torch.distributed`` runs ``world_size`` ranks: if one rank's file is missing or corrupt, every
     rank raises (:func:`read_own_rank_state`)."""
-    opt = _one_bit(optimizer, "load_rank_state")
+    opt = _owner(optimizer, "load_rank_state")
     opt.load_own_state_dict(read_own_rank_state(opt, checkpoint_dir, rank=rank, world_size=world_size))
 
 

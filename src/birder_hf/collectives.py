@@ -69,6 +69,7 @@ from .quantize import (
     BitKeys,
     antithetic,
     digits_mean_,
+    unpack_bits,
     votes_mean_,
 )
 from .settings import DEFAULT_INTER_METHOD, DEFAULT_METHOD, INTER_METHODS, METHODS, CommSettings, check_settings
@@ -84,6 +85,7 @@ __all__ = [
     "Job",
     "launch_in_order",
     "check_device",
+    "own_votes",
 ]
 
 
@@ -646,6 +648,21 @@ def _as_keys(keys, numel: int) -> BitKeys:
     return BitKeys.single(int(keys), 0, numel)
 
 
+def _quantize_own(flat: torch.Tensor, topo: Topology, keys: BitKeys) -> torch.Tensor:
+    # this rank's votes, packed: the first draw of every method, as one of an antithetic pair of ranks
+    who, reflect = antithetic(topo.rank)
+    return keys.quantize_pack(flat, 0, STAGE_WORKER, who, reflect=reflect)
+
+
+def own_votes(u: torch.Tensor, *, topology: Topology, keys: BitKeys) -> torch.Tensor:
+    """The ±1 votes this rank casts for ``u`` in :func:`onebit_all_reduce` with the same ``topology`` and ``keys``
+    (the same bits, drawn again: a function of the keys), flat, in ``u``'s dtype. For a caller that keeps its own
+    rounding error (error feedback)."""
+    flat = u.detach().reshape(-1)
+    bits = unpack_bits(_quantize_own(flat, topology, keys), flat.numel())
+    return bits.to(flat.dtype).mul_(2).sub_(1)
+
+
 def onebit_all_reduce(
     u: torch.Tensor,
     *,
@@ -739,9 +756,8 @@ def onebit_all_reduce(
 
     # quantize my votes once (so u may change after an async return), as one of an antithetic pair of ranks;
     # padding votes -1 (bit 0)
-    who, reflect = antithetic(topo.rank)
     if numel:
-        packed = keys.quantize_pack(flat, 0, STAGE_WORKER, who, reflect=reflect)
+        packed = _quantize_own(flat, topo, keys)
     else:
         packed = flat.new_empty(0, dtype=torch.uint8)
     if packed.numel() * 8 != padded:

@@ -13,6 +13,17 @@
     accelerator.save_state(path)   # also writes every rank's Birder state (path/birder/), then the completion marker
     accelerator.load_state(path)   # and every rank loads its own
 
+Local steps (DiLoCo's outer loop on the 1-bit exchange, in the spirit of accelerate's ``LocalSGD``), with the
+framework's own optimizer::
+
+    model, optimizer, loader = accelerator.prepare(model, torch.optim.AdamW(model.parameters()), loader)
+    with local_steps(accelerator, model, optimizer, local_steps=50) as local:   # nothing crosses the wire ...
+        for batch in loader:
+            accelerator.backward(loss_fn(model, batch))
+            optimizer.step()
+            optimizer.zero_grad()
+            local.step()                              # ... but every 50th step's 1-bit exchange and outer step
+
 After a restart (``torchrun --max-restarts N``), ``load_resumable_state(accelerator, folder)`` loads the newest
 checkpoint under ``folder`` that is complete on every rank, or starts fresh.
 
@@ -44,11 +55,13 @@ from ..elastic import (
 )
 from ..fsdp import register_birder_fsdp
 from ..hook import attach_ddp_hook
+from ..local_steps import LocalSteps
 from ..settings import DEFAULT_INTER_METHOD, DEFAULT_METHOD, check_settings
 from ..topology import Topology
 
 __all__ = [
     "register_birder_hook",
+    "local_steps",
     "load_resumable_state",
     "check_really_distributed",
     "check_elastic_restart",
@@ -158,6 +171,44 @@ def register_birder_hook(accelerator, model, optimizer, *, topology: Topology | 
     _register_checkpoint_hooks(accelerator, inner)
     logger.info("%s: %s registered on %r.", type(inner).__name__, state.description, state.topology)
     return state
+
+
+def local_steps(accelerator, model, optimizer, *, local_steps: int, **options) -> LocalSteps:
+    """Train ``model`` with local steps: :class:`birder_hf.local_steps.LocalSteps` on what ``accelerator.prepare``
+    returned (DDP's gradient all-reduce switched off); call its ``step()`` after every ``optimizer.step()``.
+
+    ``options`` are :class:`LocalSteps`' (``outer_lr``, ``outer_momentum``, ``exchange``, ``encoding``, ``topology``,
+    ``method``, ``inter_method``, ``seed``). Also makes ``save_state`` write every rank's own state (its weights, inner
+    optimizer state, outer weights and momentum, error buffers) and mark the checkpoint complete once every rank has,
+    and ``load_state`` (or :func:`load_resumable_state`) restore this rank's own after accelerate's loads.
+    """
+    check_really_distributed(accelerator.num_processes)
+    local = LocalSteps(model, optimizer, local_steps=local_steps, **options)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    staged = {}
+
+    def save_pre_hook(models, weights, output_dir):
+        save_rank_state(local, output_dir, rank=rank, world_size=world)
+
+    def load_pre_hook(models, input_dir):  # every rank together: one rank's bad file stops them all at once
+        staged["state"] = read_own_rank_state(local, input_dir, rank=rank, world_size=world)
+
+    accelerator.register_save_state_pre_hook(save_pre_hook)
+    accelerator.register_load_state_pre_hook(load_pre_hook)
+    _mark_saves_complete(accelerator)
+    original = accelerator.load_state
+
+    @functools.wraps(original)
+    def load_state(*args, **kwargs):
+        # accelerate loads rank 0's weights and optimizer state into every rank after the pre-hooks: this rank's own
+        # state goes back in after them
+        result = original(*args, **kwargs)
+        if "state" in staged:
+            local.load_state_dict(staged.pop("state"))
+        return result
+
+    accelerator.load_state = load_state
+    return local
 
 
 def report_skipped_step(optimizer, skipped: bool) -> None:

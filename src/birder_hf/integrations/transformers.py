@@ -44,11 +44,12 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..base import OneBitOptimizer, explain, is_integer, unwrap_optimizer
-from ..checkpoint import disk_full_error, read_own_rank_state, save_rank_state
+from ..checkpoint import disk_full_error, load_rank_state, read_own_rank_state, save_rank_state
 from ..communicators import HookState
 from ..elastic import claim_output_dir, clear_completion_marker, find_resumable_checkpoint, mark_checkpoint_complete
 from ..fsdp import register_birder_fsdp
 from ..hook import attach_ddp_hook
+from ..local_steps import LocalSteps
 from ..model_card import fix_trainer_card, model_card_section, optimizer_description
 from ..onebit_adam import OneBitAdam
 from ..optim import DEFAULT_STALE, Birder
@@ -69,6 +70,11 @@ __all__ = [
     "BirderCallback",
     "ShardedTrainerMixin",
     "HSDPTrainer",
+    "RankStateTrainerMixin",
+    "LocalStepsArguments",
+    "LocalStepsCallback",
+    "LocalStepsTrainerMixin",
+    "LocalStepsTrainer",
 ]
 
 logger = logging.getLogger(__name__)
@@ -218,58 +224,24 @@ class BirderCallback(TrainerCallback):
         report_skipped_step(self.trainer.optimizer, getattr(opt, "step_was_skipped", False))
 
 
-class BirderTrainerMixin(ShardedTrainerMixin):
-    """Mix into any ``transformers.Trainer`` subclass (first in the bases) to train with Birder."""
+class RankStateTrainerMixin:
+    """What a Trainer whose ranks hold different state needs: every rank writes its own state
+    (:meth:`rank_state_owner`'s) into each checkpoint, which is marked complete once every rank has, and
+    ``train(resume_from_checkpoint="auto")`` resumes from the newest complete one (module docstring)."""
 
-    def __init__(self, *args, birder_args: BirderArguments | None = None, **kwargs):
-        birder_args = birder_args if birder_args is not None else BirderArguments()
-        if birder_args.optimizer not in OPTIMIZERS:
-            raise ValueError(f"BirderArguments.optimizer={birder_args.optimizer!r}; choose birder or onebitadam.")
-        training_args = kwargs["args"] if "args" in kwargs else (args[1] if len(args) > 1 else None)
-        _check_supported_setup(training_args, birder_args)
-        if training_args is not None:
-            # a copy: max_grad_norm is set to 0 below, and the Trainer changes its args too (hyperparameter search);
-            # the caller's object, which a baseline Trainer may reuse, stays as it was
-            training_args = copy.copy(training_args)
-            if "args" in kwargs:
-                kwargs["args"] = training_args
-            else:
-                args = (*args[:1], training_args, *args[2:])
-        super().__init__(*args, **kwargs)
-        self.birder_args = birder_args
-        self.birder_hook_state: HookState | None = None
-        self._birder_resume_dir: str | None = None
-        _check_supported_setup(self.args, birder_args, self)
-        if self.args.max_grad_norm and self.args.max_grad_norm > 0:
-            logger.warning(
-                "Birder: max_grad_norm=%s set to 0: .grad holds the 1-bit direction d, whose step lr bounds already "
-                "(to clip each rank's gradient before it is encoded: BirderArguments(grad_clip=...)).",
-                self.args.max_grad_norm,
-            )
-            self.args.max_grad_norm = 0.0
-        self.add_callback(BirderCallback(self))
-        if birder_args.sharding == "hsdp":
-            self.shard_for_training(birder_args.num_nodes, across_nodes=False)
+    _birder_resume_dir: str | None = None
 
-    def create_optimizer(self, model=None):
-        if self.optimizer is None and self.optimizer_cls_and_kwargs is None:
-            a, b = self.args, self.birder_args
-            if b.optimizer == "onebitadam":
-                cls = OneBitAdam
-                extra = dict(betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon, freeze_step=b.freeze_step)
-            else:
-                cls = Birder
-                rule = dict(beta=b.beta, amsgrad=b.amsgrad, beta2=b.beta2, grad_clip=b.grad_clip, stale=b.stale)
-                extra = dict(rule, error_feedback=b.error_feedback, quantize=b.quantize, seed=a.seed)
-            self.optimizer_cls_and_kwargs = (cls, dict(lr=a.learning_rate, weight_decay=a.weight_decay, **extra))
-        return super().create_optimizer(model) if model is not None else super().create_optimizer()
+    def rank_state_owner(self):
+        """The object whose per-rank state each checkpoint holds (``state_dict``, ``load_own_state_dict``)."""
+        raise NotImplementedError
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
-        # every rank's own Birder state, into the folder the Trainer saves this checkpoint to (a trial's
-        # run-*/checkpoint-N included), inside the checkpoint step: before trainer_state.json marks the checkpoint
-        # complete and before old checkpoints are rotated away (a failure here keeps the previous checkpoint)
-        save_rank_state(self.optimizer, output_dir, rank=self.args.process_index, world_size=self.args.world_size)
+        # every rank's own state (Birder's, or LocalSteps'), into the folder the Trainer saves this checkpoint to (a
+        # trial's run-*/checkpoint-N included), inside the checkpoint step: before trainer_state.json marks the
+        # checkpoint complete and before old checkpoints are rotated away (a failure here keeps the previous one)
+        rank, world = self.args.process_index, self.args.world_size
+        save_rank_state(self.rank_state_owner(), output_dir, rank=rank, world_size=world)
 
     def _save_checkpoint(self, model, trial) -> None:
         args = self.args
@@ -305,16 +277,6 @@ class BirderTrainerMixin(ShardedTrainerMixin):
                 use_mtime=True,
             )
 
-    def _load_optimizer_and_scheduler(self, checkpoint):
-        # the Trainer loads rank 0's optimizer.pt into every rank: this rank's own state wins (sharded m, b would not
-        # even fit another rank's shard); on_train_begin loads it again, for Trainers that load elsewhere
-        opt = unwrap_optimizer(self.optimizer)
-        if checkpoint is not None and isinstance(opt, OneBitOptimizer):
-            opt.stage_rank_state(
-                read_own_rank_state(opt, checkpoint, rank=self.args.process_index, world_size=self.args.world_size)
-            )
-        return super()._load_optimizer_and_scheduler(checkpoint)
-
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         # this job's output_dir, before anything is written there or resumed from it (another job writing it, or a
         # folder that cannot be written, stops every rank now rather than at the first checkpoint)
@@ -332,6 +294,65 @@ class BirderTrainerMixin(ShardedTrainerMixin):
                 raise ValueError(f"No checkpoint found in {self.args.output_dir} to resume from.")
         self._birder_resume_dir = resume_from_checkpoint or None
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+
+class BirderTrainerMixin(RankStateTrainerMixin, ShardedTrainerMixin):
+    """Mix into any ``transformers.Trainer`` subclass (first in the bases) to train with Birder."""
+
+    def __init__(self, *args, birder_args: BirderArguments | None = None, **kwargs):
+        birder_args = birder_args if birder_args is not None else BirderArguments()
+        if birder_args.optimizer not in OPTIMIZERS:
+            raise ValueError(f"BirderArguments.optimizer={birder_args.optimizer!r}; choose birder or onebitadam.")
+        training_args = kwargs["args"] if "args" in kwargs else (args[1] if len(args) > 1 else None)
+        _check_supported_setup(training_args, birder_args)
+        if training_args is not None:
+            # a copy: max_grad_norm is set to 0 below, and the Trainer changes its args too (hyperparameter search);
+            # the caller's object, which a baseline Trainer may reuse, stays as it was
+            training_args = copy.copy(training_args)
+            if "args" in kwargs:
+                kwargs["args"] = training_args
+            else:
+                args = (*args[:1], training_args, *args[2:])
+        super().__init__(*args, **kwargs)
+        self.birder_args = birder_args
+        self.birder_hook_state: HookState | None = None
+        _check_supported_setup(self.args, birder_args, self)
+        if self.args.max_grad_norm and self.args.max_grad_norm > 0:
+            logger.warning(
+                "Birder: max_grad_norm=%s set to 0: .grad holds the 1-bit direction d, whose step lr bounds already "
+                "(to clip each rank's gradient before it is encoded: BirderArguments(grad_clip=...)).",
+                self.args.max_grad_norm,
+            )
+            self.args.max_grad_norm = 0.0
+        self.add_callback(BirderCallback(self))
+        if birder_args.sharding == "hsdp":
+            self.shard_for_training(birder_args.num_nodes, across_nodes=False)
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None and self.optimizer_cls_and_kwargs is None:
+            a, b = self.args, self.birder_args
+            if b.optimizer == "onebitadam":
+                cls = OneBitAdam
+                extra = dict(betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon, freeze_step=b.freeze_step)
+            else:
+                cls = Birder
+                rule = dict(beta=b.beta, amsgrad=b.amsgrad, beta2=b.beta2, grad_clip=b.grad_clip, stale=b.stale)
+                extra = dict(rule, error_feedback=b.error_feedback, quantize=b.quantize, seed=a.seed)
+            self.optimizer_cls_and_kwargs = (cls, dict(lr=a.learning_rate, weight_decay=a.weight_decay, **extra))
+        return super().create_optimizer(model) if model is not None else super().create_optimizer()
+
+    def rank_state_owner(self):
+        return self.optimizer
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        # the Trainer loads rank 0's optimizer.pt into every rank: this rank's own state wins (sharded m, b would not
+        # even fit another rank's shard); on_train_begin loads it again, for Trainers that load elsewhere
+        opt = unwrap_optimizer(self.optimizer)
+        if checkpoint is not None and isinstance(opt, OneBitOptimizer):
+            opt.stage_rank_state(
+                read_own_rank_state(opt, checkpoint, rank=self.args.process_index, world_size=self.args.world_size)
+            )
+        return super()._load_optimizer_and_scheduler(checkpoint)
 
     def _get_grad_norm(self, model, grad_norm=None):
         # after the hook .grad holds d, whose norm says nothing about the gradient, and with fp16 the Trainer's
@@ -388,6 +409,10 @@ def _check_supported_setup(args, b: BirderArguments, trainer=None) -> None:
     if args.fp16 and b.optimizer == "onebitadam":
         what = "1-bit Adam cannot train with fp16 loss scaling (Adam's step depends on the scale)"
         raise ValueError(explain(what, "use --bf16 (Birder itself trains with --fp16)"))
+    _refuse_framework_sharding(args, trainer, "BirderTrainer", "to shard use BirderArguments(sharding='hsdp')")
+
+
+def _refuse_framework_sharding(args, trainer, who: str, fix: str) -> None:
     sharded = [
         name
         for name, on in (
@@ -397,9 +422,110 @@ def _check_supported_setup(args, b: BirderArguments, trainer=None) -> None:
         if on
     ]
     if sharded:
-        what = f"BirderTrainer does not train with the Trainer's own {' or '.join(sharded)} (it bypasses the hook)"
-        raise ValueError(explain(what, "drop --fsdp/--deepspeed; to shard use BirderArguments(sharding='hsdp')"))
+        what = f"{who} does not train with the Trainer's own {' or '.join(sharded)} (it bypasses the exchange)"
+        raise ValueError(explain(what, f"drop --fsdp/--deepspeed; {fix}"))
 
 
 class BirderTrainer(BirderTrainerMixin, Trainer):
     """``transformers.Trainer`` that trains with Birder and its 1-bit hook (see the module docstring)."""
+
+
+# ------------------------------------------------------------------------------------------------- local steps
+@dataclass
+class LocalStepsArguments:
+    """Local-step training (DiLoCo's outer loop, :class:`birder_hf.local_steps.LocalSteps`), parsed by
+    ``HfArgumentParser`` next to ``TrainingArguments``; the inner optimizer is the Trainer's own (``--optim``)."""
+
+    local_steps: int = field(
+        default=0, metadata={"help": "Inner optimizer steps per outer step (DiLoCo's H); 0: every step all-reduces."}
+    )
+    outer_lr: float = field(default=0.7, metadata={"help": "The outer Nesterov step's learning rate (DiLoCo's)."})
+    outer_momentum: float = field(default=0.9, metadata={"help": "The outer Nesterov step's momentum (DiLoCo's)."})
+    outer_exchange: str = field(
+        default="onebit", metadata={"help": "onebit (Birder's 1-bit all-reduce) | fp32 (DiLoCo's all-reduce)."}
+    )
+    outer_encoding: str = field(
+        default="sign", metadata={"help": "onebit only: sign (error feedback) | stochastic (unbiased, no feedback)."}
+    )
+    outer_method: str = field(
+        default=DEFAULT_METHOD, metadata={"help": "onebit only: allgather | scatter_gather | hierarchical."}
+    )
+    outer_num_nodes: int | None = field(
+        default=None,
+        metadata={"help": "Nodes to split the ranks into (overrides LOCAL_WORLD_SIZE; simulates nodes on one host)."},
+    )
+
+    def __post_init__(self):
+        if not (is_integer(self.local_steps) and self.local_steps >= 0):
+            raise ValueError(f"Invalid local_steps={self.local_steps!r}: an int >= 1 (or 0: off).")
+        if self.outer_num_nodes is not None and not (is_integer(self.outer_num_nodes) and self.outer_num_nodes >= 1):
+            raise ValueError(f"Invalid outer_num_nodes={self.outer_num_nodes!r}: None or an int >= 1.")
+
+    def build(self, model, optimizer) -> LocalSteps:
+        """The :class:`LocalSteps` these arguments describe (collective: every rank must call it)."""
+        topology = None
+        if self.outer_num_nodes is not None:
+            topology = BirderArguments(num_nodes=self.outer_num_nodes).topology()
+        return LocalSteps(
+            model,
+            optimizer,
+            local_steps=self.local_steps,
+            outer_lr=self.outer_lr,
+            outer_momentum=self.outer_momentum,
+            exchange=self.outer_exchange,
+            encoding=self.outer_encoding,
+            method=self.outer_method,
+            topology=topology,
+        )
+
+
+class LocalStepsCallback(TrainerCallback):
+    """Builds the trainer's :class:`LocalSteps` (after DDP wrapping), loads this rank's own state on resume, counts
+    every optimizer step and closes a partial round when training ends; installed by ``LocalStepsTrainerMixin``."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        trainer = self.trainer
+        opt = unwrap_optimizer(trainer.optimizer)
+        if trainer.local_steps is None or trainer.local_steps.inner_optimizer is not opt:
+            trainer.local_steps = trainer.local_args.build(trainer.model_wrapped, trainer.optimizer)
+        if trainer._birder_resume_dir is not None:
+            folder, rank, world = trainer._birder_resume_dir, args.process_index, args.world_size
+            load_rank_state(trainer.local_steps, folder, rank=rank, world_size=world)
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer.local_steps.step()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.trainer.local_steps.finish()  # every rank ends with the same weights (a partial round exchanged)
+
+
+class LocalStepsTrainerMixin(RankStateTrainerMixin):
+    """Mix into any ``transformers.Trainer`` subclass (first in the bases) to train with local steps: each rank runs
+    ``local_args.local_steps`` steps of the Trainer's own optimizer alone, then the ranks exchange the pseudo-gradient
+    (1 bit per parameter by default) and take DiLoCo's outer step. Checkpoints hold every rank's own state and
+    ``train(resume_from_checkpoint="auto")`` resumes from the newest complete one, as ``BirderTrainer``'s."""
+
+    def __init__(self, *args, local_args: LocalStepsArguments, **kwargs):
+        if not local_args.local_steps:
+            raise ValueError(explain("LocalStepsTrainer with local_steps=0", "pass local_steps >= 1 (or use Trainer)"))
+        super().__init__(*args, **kwargs)
+        _refuse_framework_sharding(self.args, self, "LocalStepsTrainer", "local steps keep a whole model per rank")
+        self.local_args = local_args
+        self.local_steps: LocalSteps | None = None
+        self.add_callback(LocalStepsCallback(self))
+
+    def rank_state_owner(self):
+        return self.local_steps
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        if self.local_steps is not None and "loss" in logs:
+            logs.update(self.local_steps.stats.as_dict("comm/"))
+            logs["outer_steps"] = self.local_steps.outer_steps
+        super().log(logs, *args, **kwargs)
+
+
+class LocalStepsTrainer(LocalStepsTrainerMixin, Trainer):
+    """``transformers.Trainer`` with local steps and a 1-bit outer exchange (:class:`LocalStepsTrainerMixin`)."""

@@ -1,0 +1,277 @@
+"""Local steps with a 1-bit outer exchange: DiLoCo's outer loop over Birder's Hierarchical-1-bit-All-Reduce.
+
+DiLoCo (Douillard et al. 2023, https://arxiv.org/abs/2311.08105): each rank runs ``H`` steps of its own inner
+optimizer (AdamW) on its own data, with nothing crossing the wire; then the ranks average the pseudo-gradient
+``Δ = θ_outer - θ_local`` and take one outer Nesterov step, from which every rank continues. Birder (Peng et al.,
+NeurIPS 2023) supplies the exchange: the hierarchical 1-bit all-reduce (:func:`birder_hf.onebit_all_reduce`). The
+combination, and the encoding below, are ours (no paper describes them):
+
+.. math::
+    e_r = Δ_r + ε_r, \\qquad s_p = \\frac{1}{n} \\sum_r \\mathrm{mean}|e_{r,p}|, \\qquad
+    d = \\mathrm{OneBitAllReduce}(\\mathrm{sign}(e_r)), \\qquad g_p = s_p d_p, \\qquad
+    ε_r \\leftarrow e_r - s \\odot \\mathrm{sign}(e_r)
+
+    m \\leftarrow μ m + g, \\qquad θ_{outer} \\leftarrow θ_{outer} - η (g + μ m), \\qquad θ_r \\leftarrow θ_{outer}
+
+- ``exchange="onebit"`` (default, ``encoding="sign"``): each rank sends the sign of its error-fed pseudo-gradient
+  (error feedback, Karimireddy et al. 2019; 1-bit Adam's and SparseLoCo's compressor with one scale per
+  parameter tensor, ``s_p``: the ranks' mean of ``mean|e|``, all-gathered as ``n·P`` fp32 numbers and summed in rank
+  order, so identical on every rank); ``E[d]`` is the ranks' mean sign, exact inside a node, 1 bit across nodes;
+- ``encoding="stochastic"``: Birder's own binary randomization of ``u = e / s_max`` (``s_max``: the largest
+  ``|e|`` of the parameter on any rank), ``g = s_max d``, an unbiased estimate of the mean pseudo-gradient;
+  no error feedback (``ε`` stays 0);
+- ``exchange="fp32"``: DiLoCo as published: an fp32 all-reduce of ``Δ`` (the baseline).
+
+Every rank ends an outer step with the same ``θ_outer`` bit for bit: ``d`` and ``s`` are identical on every rank,
+and so is every float operation after them. Floating-point buffers (BatchNorm's running statistics) are averaged at
+each outer step (all-gathered, summed in rank order). Under DDP, :class:`LocalSteps` registers a hook that returns
+each bucket as it is (no gradient all-reduce) and turns DDP's per-forward buffer broadcast off: between outer steps
+nothing crosses the wire.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+import torch.distributed as dist
+
+from .base import explain, is_integer, unwrap_optimizer
+from .collectives import CommStats, Wire, fp32_allreduce_bytes, onebit_all_reduce, own_votes
+from .quantize import BitKeys
+from .settings import DEFAULT_INTER_METHOD, DEFAULT_METHOD, check_settings
+from .topology import Topology
+
+__all__ = ["LocalSteps", "EXCHANGES", "ENCODINGS"]
+
+EXCHANGES = ("onebit", "fp32")
+ENCODINGS = ("sign", "stochastic")
+_STATE_KEYS = ("local_steps", "exchange", "encoding", "inner_steps", "outer_steps", "outer", "momentum", "error")
+
+
+def _local_only(state, bucket):
+    """DDP communication hook that exchanges nothing: each rank keeps its own gradient (DiLoCo's inner steps)."""
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def _number(name: str, value, high: float = math.inf) -> float:
+    """``value`` if it is a finite real in ``[0, high)``, else a ``ValueError`` naming ``name``."""
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not (real and math.isfinite(value) and 0 <= value < high):
+        bound = "" if high == math.inf else f" and < {high:g}"
+        raise ValueError(f"Invalid {name}={value!r}: a finite number >= 0{bound}.")
+    return float(value)
+
+
+class LocalSteps:
+    """Run ``local_steps`` inner optimizer steps per rank, then one outer step on the exchanged pseudo-gradient.
+
+    Call :meth:`step` after every ``optimizer.step()`` (also after a step a ``GradScaler`` skipped: every rank must
+    count alike); every ``local_steps``-th call exchanges. :meth:`finish` (or leaving a ``with`` block) exchanges a
+    partial round, so that every rank ends with the same weights.
+
+    Args:
+        model (`torch.nn.Module`): the model, DDP-wrapped or not (DDP: its gradient all-reduce is switched off).
+        optimizer: the inner optimizer (any ``torch.optim.Optimizer``, e.g. AdamW, or a framework's wrapper of one);
+            its state is per rank and is saved and restored with this object's (:meth:`state_dict`).
+        local_steps (`int`): ``H``, inner steps per outer step (>= 1).
+        outer_lr (`float`, defaults to 0.7) and outer_momentum (`float`, defaults to 0.9): the outer Nesterov
+            step's ``η`` and ``μ`` (DiLoCo's values).
+        exchange (`str`, defaults to ``"onebit"``): ``"onebit"`` | ``"fp32"``.
+        encoding (`str`, defaults to ``"sign"``): ``"onebit"`` only: ``"sign"`` | ``"stochastic"`` (above).
+        topology (`Topology`, *optional*): where the ranks are (default ``Topology.from_env()``, collective).
+        method, inter_method: the 1-bit all-reduce's (:func:`birder_hf.onebit_all_reduce`).
+        seed (`int`): the 1-bit exchange's random bits (counter-based: seed, outer step, element).
+
+    ``stats`` (:class:`birder_hf.CommStats`) counts every byte this rank sends, the scales and buffers included;
+    ``stats.fp32_allreduce_bytes`` is what DDP would have sent for the same inner steps.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer,
+        *,
+        local_steps: int,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        exchange: str = "onebit",
+        encoding: str = "sign",
+        topology: Topology | None = None,
+        method: str = DEFAULT_METHOD,
+        inter_method: str = DEFAULT_INTER_METHOD,
+        seed: int = 0,
+    ):
+        if not is_integer(local_steps) or local_steps < 1:
+            raise ValueError(f"Invalid local_steps={local_steps!r}: an int >= 1 (inner steps per outer step).")
+        self.outer_lr = _number("outer_lr", outer_lr)
+        self.outer_momentum = _number("outer_momentum", outer_momentum, 1.0)
+        if exchange not in EXCHANGES:
+            raise ValueError(f"Invalid exchange={exchange!r}: choose one of {', '.join(EXCHANGES)}.")
+        if encoding not in ENCODINGS:
+            raise ValueError(f"Invalid encoding={encoding!r}: choose one of {', '.join(ENCODINGS)}.")
+        if not is_integer(seed):
+            raise ValueError(f"Invalid seed={seed!r}: an int.")
+        self.settings = check_settings(method, inter_method)
+        self.local_steps, self.exchange, self.encoding, self.seed = int(local_steps), exchange, encoding, int(seed)
+        # error feedback with the sign encoding (without it, scaled signs are biased); the stochastic one is unbiased
+        # without it, and diverged with it here (its errors, fed back, raise the next round's scale)
+        self.error_feedback = exchange == "onebit" and encoding == "sign"
+        self.inner_optimizer = unwrap_optimizer(optimizer)
+        ddp = model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
+        module = getattr(model, "module", model) if ddp is not None else model
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("LocalSteps: the model has no parameter that requires a gradient.")
+        self.buffers = [b for b in module.buffers() if b.is_floating_point()]
+        on = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.topology = (topology or Topology.from_env()) if on else None
+        self.stats = CommStats()
+        self.inner_steps = self.outer_steps = 0
+        if ddp is not None:
+            ddp.register_comm_hook(None, _local_only)
+            ddp.broadcast_buffers = False  # DDP would broadcast rank 0's buffers before every forward
+        elif self.topology is not None:  # every rank starts from rank 0's weights (DDP does this when it wraps)
+            for t in self.params + self.buffers:
+                dist.broadcast(t.data, src=0, group=self.topology.world_group)
+        with torch.no_grad():
+            self.outer = [p.detach().float().clone() for p in self.params]
+        self.momentum = [torch.zeros_like(o) for o in self.outer]
+        self.error = [torch.zeros_like(o) for o in self.outer] if self.error_feedback else []
+
+    @property
+    def world_size(self) -> int:
+        return 1 if self.topology is None else self.topology.world_size
+
+    # ------------------------------------------------------------------------------------------------ the loop
+    def step(self) -> bool:
+        """Count one inner step; on every ``local_steps``-th, exchange and take the outer step. Returns whether it
+        did."""
+        self.inner_steps += 1
+        self.stats.fp32_allreduce_bytes += self._fp32_bytes()  # what DDP would have sent for this step
+        if self.inner_steps % self.local_steps:
+            return False
+        self.sync()
+        return True
+
+    def finish(self) -> bool:
+        """Exchange a partial round (inner steps since the last outer step), if any; returns whether it did."""
+        if self.inner_steps % self.local_steps == 0:
+            return False
+        self.sync()
+        return True
+
+    def __enter__(self) -> LocalSteps:
+        return self
+
+    def __exit__(self, kind, *exc) -> None:
+        if kind is None:
+            self.finish()
+
+    def _fp32_bytes(self) -> int:
+        return fp32_allreduce_bytes(sum(p.numel() for p in self.params), self.world_size)
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """The outer step now: exchange the pseudo-gradients, step ``θ_outer``, and put it into every rank's model."""
+        g = self._exchange([o - p.float() for o, p in zip(self.outer, self.params)])
+        mu, lr = self.outer_momentum, self.outer_lr
+        for o, m, gi, p in zip(self.outer, self.momentum, g, self.params):
+            m.mul_(mu).add_(gi)
+            o.sub_(gi.add(m, alpha=mu), alpha=lr)  # Nesterov, as torch.optim.SGD(nesterov=True)
+            p.copy_(o)
+        self._average_buffers()
+        self.outer_steps += 1
+
+    def _exchange(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
+        n = self.world_size
+        if n == 1:
+            return delta
+        wire = Wire(self.topology, self.stats)
+        if self.exchange == "fp32":
+            flat = torch.cat([d.reshape(-1) for d in delta])
+            _, work = wire.all_reduce_sum(flat, "world", per_peer=2 * 4 * flat.numel() / n)
+            work.wait()
+            return self._split(flat.div_(n), delta)
+        e = [d.add_(err) for d, err in zip(delta, self.error)] if self.error else delta
+        if self.encoding == "sign":
+            local = torch.stack([x.abs().mean() for x in e])
+            scale = wire.all_gather_sync(local, "world").view(n, -1).sum(0).div_(n)
+            u = torch.sign(torch.cat([x.reshape(-1) for x in e]))
+        else:
+            local = torch.stack([x.abs().max() for x in e])
+            scale = wire.all_gather_sync(local, "world").view(n, -1).amax(0)
+            u = torch.cat([x.div(s.clamp_min(torch.finfo(x.dtype).tiny)).reshape(-1) for x, s in zip(e, scale)])
+        keys = BitKeys.single(self.seed, self.outer_steps, u.numel())
+        if self.error:  # what this rank could not send, sent later: e minus its own vote, scaled
+            votes = self._split(own_votes(u, topology=self.topology, keys=keys), e)
+            for err, x, q, s in zip(self.error, e, votes, scale):
+                torch.sub(x, q.mul_(s), out=err)
+        d = onebit_all_reduce(u, topology=self.topology, method=self.settings, keys=keys, stats=self.stats, out=u)
+        self.stats.fp32_allreduce_bytes -= fp32_allreduce_bytes(u.numel(), n)  # counted per inner step instead
+        return [di.mul_(s) for di, s in zip(self._split(d, e), scale)]
+
+    @staticmethod
+    def _split(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [c.view_as(t) for c, t in zip(flat.split([t.numel() for t in like]), like)]
+
+    def _average_buffers(self) -> None:
+        if self.world_size == 1 or not self.buffers:
+            return
+        flat = torch.cat([b.detach().float().reshape(-1) for b in self.buffers])
+        mean = Wire(self.topology, self.stats).all_gather_sync(flat, "world").view(self.world_size, -1).sum(0)
+        for b, m in zip(self.buffers, self._split(mean.div_(self.world_size), self.buffers)):
+            b.copy_(m)
+
+    # ------------------------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        """This rank's state: the round's position, ``θ_outer``, the outer momentum, the error buffers, this rank's
+        own weights and buffers (they differ between outer steps) and the inner optimizer's state."""
+        return {
+            "local_steps": self.local_steps,
+            "exchange": self.exchange,
+            "encoding": self.encoding,
+            "inner_steps": self.inner_steps,
+            "outer_steps": self.outer_steps,
+            "outer": [o.clone() for o in self.outer],
+            "momentum": [m.clone() for m in self.momentum],
+            "error": [e.clone() for e in self.error],
+            "params": [p.detach().clone() for p in self.params],
+            "buffers": [b.detach().clone() for b in self.buffers],
+            "optimizer": self.inner_optimizer.state_dict(),
+        }
+
+    def check_state_dict(self, state: dict) -> None:
+        """Raise ``ValueError`` (changing nothing) unless ``state`` is a :meth:`state_dict` of this set-up."""
+        missing = [k for k in (*_STATE_KEYS, "params", "buffers", "optimizer") if k not in state]
+        if missing:
+            raise ValueError(f"Not a LocalSteps state: missing {', '.join(missing)}.")
+        for name in ("local_steps", "exchange", "encoding"):
+            if state[name] != getattr(self, name):
+                what = f"The checkpoint was trained with {name}={state[name]!r}, this run has {getattr(self, name)!r}"
+                raise ValueError(explain(what, f"resume with {name}={state[name]!r} (the round it saved runs on)"))
+        for name, saved, here in (
+            ("outer", state["outer"], self.outer),
+            ("momentum", state["momentum"], self.momentum),
+            ("error", state["error"], self.error),
+            ("params", state["params"], self.params),
+            ("buffers", state["buffers"], self.buffers),
+        ):
+            shapes = [tuple(t.shape) for t in saved], [tuple(t.shape) for t in here]
+            if shapes[0] != shapes[1]:
+                raise ValueError(f"LocalSteps state: its {name} have shapes {shapes[0]}, this model's {shapes[1]}.")
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (checked first: a state that does not fit changes nothing)."""
+        self.check_state_dict(state)
+        self.inner_optimizer.load_state_dict(state["optimizer"])
+        for name in ("outer", "momentum", "error", "params", "buffers"):
+            for t, saved in zip(getattr(self, name), state[name]):
+                t.copy_(saved)
+        self.inner_steps, self.outer_steps = int(state["inner_steps"]), int(state["outer_steps"])
+
+    load_own_state_dict = load_state_dict  # the name birder_hf.checkpoint's per-rank loaders call
