@@ -7,7 +7,8 @@ Runs ``recipes/bert_base.py`` (``--task qa``: tiny BERT on the embedded SQuAD-fo
 ``recipes/causal_lm.py`` (``--task lm``: tiny GPT-2 on the standard library's text, validation perplexity) or
 ``recipes/resnet50.py`` (``--task image``: a timm ResNet on the embedded digits, validation top-1) with their
 defaults plus each config's arguments, once per layout and seed, and writes ``docs/results/recipe_matrix_{task}{tag}``
-``.json`` / ``.md`` / ``.png``: per layout and config, the median and the worst seed. Layouts: ``1`` is one process
+``.json`` / ``.md`` / ``.png``: per layout and config, the median and the worst seed (and, in the JSON, the bytes each
+run's rank 0 sent, its ``comm/`` metrics). Layouts: ``1`` is one process
 (plain ``python``, no communication); ``KxL`` is K simulated nodes of L CPU processes through ``accelerate launch``
 (``--num_nodes K``: the hierarchical 1-bit all-reduce between the K groups). The batch per process is the recipe's,
 so the global batch grows with the layout, as users run. A run whose ``all_results.json`` is already in ``--work``
@@ -90,8 +91,9 @@ def run_one(task: str, layout: str, name: str, extra: list[str], seed: int, work
         losses = [{"step": h["step"], "loss": h["train_loss"]} for h in metrics["steps"]]
     else:
         losses = [h for h in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in h]
+    comm = {k: v for k, v in metrics.items() if k.startswith("comm/") and isinstance(v, (int, float))}
     return {"final": metrics[TASKS[task][1]], "train_loss": {"steps": [h["step"] for h in losses],
-            "loss": [h["loss"] for h in losses]}}  # fmt: skip
+            "loss": [h["loss"] for h in losses]}, "comm": comm}  # fmt: skip
 
 
 def report(res: dict, stem: Path) -> None:
@@ -169,6 +171,8 @@ def main(argv=None) -> int:
                 row[name] = {"final": {s: r["final"] for s, r in finals.items()}, "median": statistics.median(values),
                              "worst": (min if higher else max)(values),
                              "curves": {s: r["train_loss"] for s, r in finals.items()}}  # fmt: skip
+                if any(r["comm"] for r in finals.values()):  # the bytes each rank sent (all_results.json's comm/)
+                    row[name]["comm"] = {s: r["comm"] for s, r in finals.items()}
     stem = args.results / f"recipe_matrix_{args.task}{args.tag}"
     args.results.mkdir(parents=True, exist_ok=True)
     Path(f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")

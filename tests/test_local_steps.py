@@ -40,13 +40,28 @@ def _inner_step(model, opt, rank, step):
     opt.zero_grad()
 
 
-def _train(rank, world, steps, *, local_steps, exchange, layout=None, start=0, state_dir=None, resume_dir=None):
+def _train(
+    rank,
+    world,
+    steps,
+    *,
+    local_steps,
+    exchange,
+    layout=None,
+    start=0,
+    state_dir=None,
+    resume_dir=None,
+    scale_block=None,
+):
     import torch.distributed as dist
 
     model = torch.nn.parallel.DistributedDataParallel(_model(seed=0 if resume_dir is None else 5))
     opt = torch.optim.AdamW(model.parameters(), lr=0.02)
     topo = Topology.from_layout(*layout) if layout else Topology.flat()
-    local = LocalSteps(model, opt, local_steps=local_steps, exchange=exchange, topology=topo, seed=3)
+    outer = dict(outer_lr=0.7, outer_momentum=0.9)  # DiLoCo's, as the reference below
+    local = LocalSteps(
+        model, opt, local_steps=local_steps, exchange=exchange, topology=topo, seed=3, scale_block=scale_block, **outer
+    )
     if resume_dir is not None:
         load_rank_state(local, resume_dir)
     snapshots, differed = [], False
@@ -96,18 +111,19 @@ def test_fp32_exchange_is_diloco_and_nothing_is_exchanged_between_outer_steps():
     assert stats.total_bytes == 2 * fp32_allreduce_bytes(numel, 2)  # two outer steps in seven inner ones
 
 
-@pytest.mark.parametrize("exchange", ["onebit"])
-def test_onebit_outer_steps_leave_replicas_identical_and_send_two_bits_per_outer_step(exchange):
+@pytest.mark.parametrize("scale_block, scales", [(None, 4), (64, 6)])
+def test_onebit_outer_steps_leave_replicas_identical_and_send_two_bits_per_outer_step(scale_block, scales):
+    # two Linear layers, 4 tensors of 192, 16, 48 and 3 elements: one fp32 scale per tensor, or per block of 64 (3 for
+    # the first), all-gathered among the 4 ranks
     H = 2
-    results = train = functools.partial(_train, local_steps=H, exchange=exchange, layout=(2, 2))
+    train = functools.partial(_train, local_steps=H, exchange="onebit", layout=(2, 2), scale_block=scale_block)
     results = run_distributed(train, 4, 4, local_world_size=2)
     numel = results[0]["numel"]
     one = expected_bytes("hierarchical", numel, (2, 2))
-    params = 4  # two Linear layers: 4 tensors, one fp32 scale each, all-gathered among 4 ranks
     for r in results:
         stats = r["stats"]
-        assert stats.intra_node_bytes == 2 * (one["intra_node_bytes"] + 1 * params * 4)
-        assert stats.inter_node_bytes == 2 * (one["inter_node_bytes"] + 2 * params * 4)
+        assert stats.intra_node_bytes == 2 * (one["intra_node_bytes"] + 1 * scales * 4)
+        assert stats.inter_node_bytes == 2 * (one["inter_node_bytes"] + 2 * scales * 4)
         bits = 8 * (one["intra_node_bytes"] + one["inter_node_bytes"]) / numel
         assert bits == pytest.approx(2.0, rel=0.1)  # 2 bits per parameter per outer step at 2 x 2: 2/H per inner
     assert not torch.equal(results[0]["snapshots"][1], results[0]["snapshots"][3])  # it trains
@@ -166,6 +182,7 @@ def test_bad_settings_are_refused():
         (dict(local_steps=2, outer_momentum=1.0), "outer_momentum"),
         (dict(local_steps=2, exchange="int8"), "exchange"),
         (dict(local_steps=2, encoding="topk"), "encoding"),
+        (dict(local_steps=2, scale_block=0), "scale_block"),
         (dict(local_steps=2, method="ring"), "method"),
     ):
         with pytest.raises(ValueError, match=match):
@@ -205,10 +222,11 @@ def test_one_process_is_diloco_with_one_worker_and_finish_closes_a_partial_round
     assert local.stats.total_bytes == 0
 
 
-def _error_feedback_rounds(rank, world, rounds):
+def _error_feedback_rounds(rank, world, rounds, scale_block):
     torch.manual_seed(rank)
     model = torch.nn.Linear(8, 4)
-    local = LocalSteps(model, torch.optim.SGD(model.parameters(), lr=0.1), local_steps=1, topology=Topology.flat())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    local = LocalSteps(model, opt, local_steps=1, topology=Topology.flat(), scale_block=scale_block)
     g = torch.Generator().manual_seed(rank + 100)
     deltas = [torch.randn(p.shape, generator=g) for p in local.params]
     sent = [torch.zeros_like(d) for d in deltas]
@@ -220,14 +238,15 @@ def _error_feedback_rounds(rank, world, rounds):
     return flat(sent), flat(deltas), flat(local.error)
 
 
-def test_error_feedback_sends_what_it_has_not_sent_yet():
+@pytest.mark.parametrize("scale_block", [None, 5])
+def test_error_feedback_sends_what_it_has_not_sent_yet(scale_block):
     # the sign encoding on one node (the exact vote mean): after T rounds of the same pseudo-gradients,
     # sum_t g_t = T mean_r delta_r - mean_r eps_r exactly (up to rounding): each rank's error buffer holds what it has
     # not sent. What scaled signs without feedback send stays biased (a vote of +1 and -1 cancels whatever their
     # sizes); with it the mean of what was sent approaches the mean pseudo-gradient (measured: 0.22 of the worst
     # coordinate's bias without feedback after 200 rounds, 0.06 after 800)
     rounds = 200
-    (sent, d0, e0), (sent1, d1, e1) = run_distributed(_error_feedback_rounds, 2, rounds)
+    (sent, d0, e0), (sent1, d1, e1) = run_distributed(_error_feedback_rounds, 2, rounds, scale_block)
     assert torch.equal(sent, sent1)
     truth = (d0 + d1) / 2
     torch.testing.assert_close(sent + (e0 + e1) / 2, rounds * truth, rtol=1e-4, atol=1e-3)

@@ -20,11 +20,11 @@ SNIPPETS = _snippets("README.md") + _snippets("docs/SETUPS.md")
 
 
 def test_readme_has_the_snippets():
-    assert len(_snippets("README.md")) == 5  # one process, DDP, Trainer, accelerate, timm
-    assert len(SNIPPETS) == 7  # and SETUPS' Lightning and FSDP
+    assert len(_snippets("README.md")) == 5  # one process, DDP, Trainer, accelerate, local steps
+    assert len(SNIPPETS) == 8  # and SETUPS' timm, Lightning and FSDP
 
 
-IDS = ["one-process", "ddp", "trainer", "accelerate", "timm", "lightning", "fsdp"]
+IDS = ["one-process", "ddp", "trainer", "accelerate", "local-steps", "timm", "lightning", "fsdp"]
 
 
 @pytest.mark.parametrize("command, code", SNIPPETS, ids=IDS[: len(SNIPPETS)])

@@ -81,6 +81,30 @@ def test_bert_recipe_learns_with_the_hierarchical_hook(tmp_path):
     _check_model_card(os.path.join(out, "README.md"), results)
 
 
+def test_bert_recipe_local_steps_exchange_every_h_steps(tmp_path):
+    # --local_steps 3 over 8 steps on 2 nodes x 1: 2 outer steps, then the partial round when training ends
+    out = str(tmp_path / "local")
+    flags = ["--optimizer", "adamw", "--local_steps", "3", "--num_nodes", "2", "--max_steps", "8"]
+    log = _torchrun(2, "recipes/bert_base.py", *BERT_TINY, *flags, "--output_dir", out)
+    results = json.load(open(os.path.join(out, "all_results.json")))
+    assert results["outer_steps"] == 3 and results["comm/topology"].startswith("Topology(2 nodes x 1 rank")
+    assert results["comm/method"] == "local_steps 3, outer exchange onebit"
+    # 8 inner steps' worth of DDP traffic against 3 exchanges of 1 bit per parameter (and one fp32 scale per tensor)
+    assert results["comm/compression_ratio"] > 8 / 3 * 32 * 0.9, results
+    assert "less" in log
+
+
+@pytest.mark.parametrize("name", ["bert_base", "causal_lm"])
+def test_recipe_local_steps_arguments(name):
+    recipe = _recipe_module(name)
+    _, _, opt, _ = recipe.parse_args(["--optimizer", "adamw", "--local_steps", "10", "--num_nodes", "2"])
+    assert (opt.local_steps, opt.outer_num_nodes, opt.outer_exchange, opt.outer_momentum) == (10, 2, "onebit", 0.5)
+    with pytest.raises(ValueError, match="--local_steps runs an uncompressed inner optimizer.*--optimizer adamw"):
+        recipe.parse_args(["--local_steps", "10"])
+    with pytest.raises(ValueError, match="local_steps=-1"):
+        recipe.parse_args(["--optimizer", "adamw", "--local_steps", "-1"])
+
+
 def _check_model_card(path, results):
     """The card a user of the published checkpoint reads: the configured lr (the schedule ends at 0), only Birder's
     settings, EM/F1 in model-index, and "trained from scratch" (no link to an empty base model)."""

@@ -7,19 +7,21 @@ NeurIPS 2023) supplies the exchange: the hierarchical 1-bit all-reduce (:func:`b
 combination, and the encoding below, are ours (no paper describes them):
 
 .. math::
-    e_r = Δ_r + ε_r, \\qquad s_p = \\frac{1}{n} \\sum_r \\mathrm{mean}|e_{r,p}|, \\qquad
-    d = \\mathrm{OneBitAllReduce}(\\mathrm{sign}(e_r)), \\qquad g_p = s_p d_p, \\qquad
-    ε_r \\leftarrow e_r - s \\odot \\mathrm{sign}(e_r)
+    e_r = Δ_r + ε_r, \\qquad s_b = \\frac{1}{n} \\sum_r \\mathrm{mean}_{i \\in b} |e_{r,i}|, \\qquad
+    d = \\mathrm{OneBitAllReduce}(\\mathrm{sign}(e_r)), \\qquad g_i = s_{b(i)} d_i, \\qquad
+    ε_{r,i} \\leftarrow e_{r,i} - s_{b(i)} \\mathrm{sign}(e_{r,i})
 
     m \\leftarrow μ m + g, \\qquad θ_{outer} \\leftarrow θ_{outer} - η (g + μ m), \\qquad θ_r \\leftarrow θ_{outer}
 
 - ``exchange="onebit"`` (default, ``encoding="sign"``): each rank sends the sign of its error-fed pseudo-gradient
-  (error feedback, Karimireddy et al. 2019; 1-bit Adam's and SparseLoCo's compressor with one scale per
-  parameter tensor, ``s_p``: the ranks' mean of ``mean|e|``, all-gathered as ``n·P`` fp32 numbers and summed in rank
-  order, so identical on every rank); ``E[d]`` is the ranks' mean sign, exact inside a node, 1 bit across nodes;
+  (error feedback, Karimireddy et al. 2019, as in 1-bit Adam's compressor) with one scale per block ``b`` of
+  ``scale_block`` elements inside each tensor (``None``: per tensor), ``s_b``: the ranks' mean of ``mean|e|``,
+  all-gathered as fp32 numbers and summed in rank order, so identical on every rank (32 bits per block per rank);
+  ``E[d]`` is the ranks' mean sign, exact inside a node, 1 bit across nodes. A rank's ``ε`` is what it has not sent
+  yet (``tests/test_local_steps.py``: without it, a +1 and a -1 vote cancel whatever their sizes);
 - ``encoding="stochastic"``: Birder's own binary randomization of ``u = e / s_max`` (``s_max``: the largest
-  ``|e|`` of the parameter on any rank), ``g = s_max d``, an unbiased estimate of the mean pseudo-gradient;
-  no error feedback (``ε`` stays 0);
+  ``|e|`` of the block on any rank), ``g = s_max d``, an unbiased estimate of the mean pseudo-gradient, without
+  error feedback (with it, it diverged: its errors, fed back, raise the next round's scale);
 - ``exchange="fp32"``: DiLoCo as published: an fp32 all-reduce of ``Δ`` (the baseline).
 
 Every rank ends an outer step with the same ``θ_outer`` bit for bit: ``d`` and ``s`` are identical on every rank,
@@ -47,7 +49,8 @@ __all__ = ["LocalSteps", "EXCHANGES", "ENCODINGS"]
 
 EXCHANGES = ("onebit", "fp32")
 ENCODINGS = ("sign", "stochastic")
-_STATE_KEYS = ("local_steps", "exchange", "encoding", "inner_steps", "outer_steps", "outer", "momentum", "error")
+_SETTINGS = ("local_steps", "exchange", "encoding", "scale_block")  # a state resumes with the same ones
+_TENSORS = ("outer", "momentum", "error", "params", "buffers")
 
 
 def _local_only(state, bucket):
@@ -78,10 +81,14 @@ class LocalSteps:
         optimizer: the inner optimizer (any ``torch.optim.Optimizer``, e.g. AdamW, or a framework's wrapper of one);
             its state is per rank and is saved and restored with this object's (:meth:`state_dict`).
         local_steps (`int`): ``H``, inner steps per outer step (>= 1).
-        outer_lr (`float`, defaults to 0.7) and outer_momentum (`float`, defaults to 0.9): the outer Nesterov
-            step's ``η`` and ``μ`` (DiLoCo's values).
+        outer_lr (`float`, defaults to 0.7) and outer_momentum (`float`, defaults to 0.5): the outer Nesterov
+            step's ``η`` and ``μ``. DiLoCo's ``μ = 0.9`` (for ``H`` in the hundreds) lost 25 F1 on the BERT recipe at
+            ``H = 10``; ``(0.7, 0.5)`` was the 1-bit exchange's best at ``H = 10`` and ``50`` there
+            (``docs/BENCHMARKS.md``, "Local steps").
         exchange (`str`, defaults to ``"onebit"``): ``"onebit"`` | ``"fp32"``.
         encoding (`str`, defaults to ``"sign"``): ``"onebit"`` only: ``"sign"`` | ``"stochastic"`` (above).
+        scale_block (`int`, *optional*): ``"onebit"`` only: elements per scale inside a tensor (``None``: one
+            scale per tensor).
         topology (`Topology`, *optional*): where the ranks are (default ``Topology.from_env()``, collective).
         method, inter_method: the 1-bit all-reduce's (:func:`birder_hf.onebit_all_reduce`).
         seed (`int`): the 1-bit exchange's random bits (counter-based: seed, outer step, element).
@@ -97,9 +104,10 @@ class LocalSteps:
         *,
         local_steps: int,
         outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
+        outer_momentum: float = 0.5,
         exchange: str = "onebit",
         encoding: str = "sign",
+        scale_block: int | None = None,
         topology: Topology | None = None,
         method: str = DEFAULT_METHOD,
         inter_method: str = DEFAULT_INTER_METHOD,
@@ -113,12 +121,13 @@ class LocalSteps:
             raise ValueError(f"Invalid exchange={exchange!r}: choose one of {', '.join(EXCHANGES)}.")
         if encoding not in ENCODINGS:
             raise ValueError(f"Invalid encoding={encoding!r}: choose one of {', '.join(ENCODINGS)}.")
+        if scale_block is not None and not (is_integer(scale_block) and scale_block >= 1):
+            raise ValueError(f"Invalid scale_block={scale_block!r}: an int >= 1, or None (one scale per tensor).")
         if not is_integer(seed):
             raise ValueError(f"Invalid seed={seed!r}: an int.")
         self.settings = check_settings(method, inter_method)
         self.local_steps, self.exchange, self.encoding, self.seed = int(local_steps), exchange, encoding, int(seed)
-        # error feedback with the sign encoding (without it, scaled signs are biased); the stochastic one is unbiased
-        # without it, and diverged with it here (its errors, fed back, raise the next round's scale)
+        self.scale_block = scale_block
         self.error_feedback = exchange == "onebit" and encoding == "sign"
         self.inner_optimizer = unwrap_optimizer(optimizer)
         ddp = model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
@@ -140,7 +149,15 @@ class LocalSteps:
         with torch.no_grad():
             self.outer = [p.detach().float().clone() for p in self.params]
         self.momentum = [torch.zeros_like(o) for o in self.outer]
-        self.error = [torch.zeros_like(o) for o in self.outer] if self.error_feedback else []
+        numel = sum(o.numel() for o in self.outer)
+        self.error_flat = self.outer[0].new_zeros(numel if self.error_feedback else 0)
+        self.error = self._split(self.error_flat, self.outer) if self.error_feedback else []
+        # the groups that share one scale: blocks of scale_block elements inside each tensor (or whole tensors)
+        sizes = []
+        for t in self.outer:
+            block = scale_block or t.numel()
+            sizes += [min(block, t.numel() - i) for i in range(0, t.numel(), block)]
+        self._scale_groups = torch.tensor(sizes, dtype=torch.int64, device=self.outer[0].device)
 
     @property
     def world_size(self) -> int:
@@ -196,23 +213,24 @@ class LocalSteps:
             _, work = wire.all_reduce_sum(flat, "world", per_peer=2 * 4 * flat.numel() / n)
             work.wait()
             return self._split(flat.div_(n), delta)
-        e = [d.add_(err) for d, err in zip(delta, self.error)] if self.error else delta
-        if self.encoding == "sign":
-            local = torch.stack([x.abs().mean() for x in e])
+        e = torch.cat([d.reshape(-1) for d in delta])
+        if self.error:
+            e.add_(self.error_flat)
+        lengths = self._scale_groups
+        if self.encoding == "sign":  # the ranks' mean of mean|e| per group
+            local = torch.segment_reduce(e.abs(), "mean", lengths=lengths)
             scale = wire.all_gather_sync(local, "world").view(n, -1).sum(0).div_(n)
-            u = torch.sign(torch.cat([x.reshape(-1) for x in e]))
-        else:
-            local = torch.stack([x.abs().max() for x in e])
+        else:  # the largest |e| of the group on any rank
+            local = torch.segment_reduce(e.abs(), "max", lengths=lengths)
             scale = wire.all_gather_sync(local, "world").view(n, -1).amax(0)
-            u = torch.cat([x.div(s.clamp_min(torch.finfo(x.dtype).tiny)).reshape(-1) for x, s in zip(e, scale)])
+        scale = scale.repeat_interleave(lengths, output_size=e.numel())
+        u = torch.sign(e) if self.encoding == "sign" else e / scale.clamp_min(torch.finfo(e.dtype).tiny)
         keys = BitKeys.single(self.seed, self.outer_steps, u.numel())
         if self.error:  # what this rank could not send, sent later: e minus its own vote, scaled
-            votes = self._split(own_votes(u, topology=self.topology, keys=keys), e)
-            for err, x, q, s in zip(self.error, e, votes, scale):
-                torch.sub(x, q.mul_(s), out=err)
+            torch.sub(e, own_votes(u, topology=self.topology, keys=keys).mul_(scale), out=self.error_flat)
         d = onebit_all_reduce(u, topology=self.topology, method=self.settings, keys=keys, stats=self.stats, out=u)
         self.stats.fp32_allreduce_bytes -= fp32_allreduce_bytes(u.numel(), n)  # counted per inner step instead
-        return [di.mul_(s) for di, s in zip(self._split(d, e), scale)]
+        return self._split(d.mul_(scale), delta)
 
     @staticmethod
     def _split(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -234,6 +252,7 @@ class LocalSteps:
             "local_steps": self.local_steps,
             "exchange": self.exchange,
             "encoding": self.encoding,
+            "scale_block": self.scale_block,
             "inner_steps": self.inner_steps,
             "outer_steps": self.outer_steps,
             "outer": [o.clone() for o in self.outer],
@@ -246,21 +265,15 @@ class LocalSteps:
 
     def check_state_dict(self, state: dict) -> None:
         """Raise ``ValueError`` (changing nothing) unless ``state`` is a :meth:`state_dict` of this set-up."""
-        missing = [k for k in (*_STATE_KEYS, "params", "buffers", "optimizer") if k not in state]
+        missing = [k for k in (*_SETTINGS, *_TENSORS, "inner_steps", "outer_steps", "optimizer") if k not in state]
         if missing:
             raise ValueError(f"Not a LocalSteps state: missing {', '.join(missing)}.")
-        for name in ("local_steps", "exchange", "encoding"):
+        for name in _SETTINGS:
             if state[name] != getattr(self, name):
                 what = f"The checkpoint was trained with {name}={state[name]!r}, this run has {getattr(self, name)!r}"
                 raise ValueError(explain(what, f"resume with {name}={state[name]!r} (the round it saved runs on)"))
-        for name, saved, here in (
-            ("outer", state["outer"], self.outer),
-            ("momentum", state["momentum"], self.momentum),
-            ("error", state["error"], self.error),
-            ("params", state["params"], self.params),
-            ("buffers", state["buffers"], self.buffers),
-        ):
-            shapes = [tuple(t.shape) for t in saved], [tuple(t.shape) for t in here]
+        for name in _TENSORS:
+            shapes = [tuple(t.shape) for t in state[name]], [tuple(t.shape) for t in getattr(self, name)]
             if shapes[0] != shapes[1]:
                 raise ValueError(f"LocalSteps state: its {name} have shapes {shapes[0]}, this model's {shapes[1]}.")
 
@@ -269,7 +282,7 @@ class LocalSteps:
         """Restore :meth:`state_dict` (checked first: a state that does not fit changes nothing)."""
         self.check_state_dict(state)
         self.inner_optimizer.load_state_dict(state["optimizer"])
-        for name in ("outer", "momentum", "error", "params", "buffers"):
+        for name in _TENSORS:
             for t, saved in zip(getattr(self, name), state[name]):
                 t.copy_(saved)
         self.inner_steps, self.outer_steps = int(state["inner_steps"]), int(state["outer_steps"])

@@ -439,13 +439,16 @@ class LocalStepsArguments:
     local_steps: int = field(
         default=0, metadata={"help": "Inner optimizer steps per outer step (DiLoCo's H); 0: every step all-reduces."}
     )
-    outer_lr: float = field(default=0.7, metadata={"help": "The outer Nesterov step's learning rate (DiLoCo's)."})
-    outer_momentum: float = field(default=0.9, metadata={"help": "The outer Nesterov step's momentum (DiLoCo's)."})
+    outer_lr: float = field(default=0.7, metadata={"help": "The outer Nesterov step's learning rate."})
+    outer_momentum: float = field(default=0.5, metadata={"help": "The outer Nesterov step's momentum (DiLoCo: 0.9)."})
     outer_exchange: str = field(
         default="onebit", metadata={"help": "onebit (Birder's 1-bit all-reduce) | fp32 (DiLoCo's all-reduce)."}
     )
     outer_encoding: str = field(
         default="sign", metadata={"help": "onebit only: sign (error feedback) | stochastic (unbiased, no feedback)."}
+    )
+    outer_scale_block: int | None = field(
+        default=None, metadata={"help": "onebit only: elements per scale inside a tensor (None: one per tensor)."}
     )
     outer_method: str = field(
         default=DEFAULT_METHOD, metadata={"help": "onebit only: allgather | scatter_gather | hierarchical."}
@@ -474,6 +477,7 @@ class LocalStepsArguments:
             outer_momentum=self.outer_momentum,
             exchange=self.outer_exchange,
             encoding=self.outer_encoding,
+            scale_block=self.outer_scale_block,
             method=self.outer_method,
             topology=topology,
         )
