@@ -33,6 +33,12 @@ block of ``_no_split_modules``, then the root), so FSDP reduce-scatters gradient
 and Birder's 1-bit all-reduce is the only traffic across nodes. This runs wherever ``torchrun`` runs, CPU included
 (accelerate's FSDP plugin needs GPUs). ``HSDPTrainer`` is the same sharding with native HSDP (full-precision
 all-reduce across nodes) for any other optimizer: the uncompressed baseline.
+
+Local steps (``LocalStepsTrainer(..., local_args=LocalStepsArguments(local_steps=H))``, ``birder_hf.local_steps``):
+the Trainer's own optimizer runs H steps on each rank alone, then the ranks exchange the pseudo-gradient at 1 bit per
+parameter and take DiLoCo's outer step. Its per-rank checkpoints, the completion marker and ``"auto"`` resume are
+``BirderTrainer``'s (``RankStateTrainerMixin``, which both use); a callback builds the ``LocalSteps`` after DDP
+wrapping, counts every optimizer step and exchanges a partial round when training ends.
 """
 
 from __future__ import annotations
