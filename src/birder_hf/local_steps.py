@@ -33,13 +33,10 @@ nothing crosses the wire.
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
 import torch.distributed as dist
 
-from .base import explain, is_integer, unwrap_optimizer
+from .base import INTEGER, NON_NEGATIVE, choice, explain, is_integer, is_real_number, rule, unwrap_optimizer
 from .collectives import CommStats, Wire, fp32_allreduce_bytes, onebit_all_reduce, own_votes
 from .quantize import BitKeys
 from .settings import DEFAULT_INTER_METHOD, DEFAULT_METHOD, check_settings
@@ -60,13 +57,16 @@ def _local_only(state, bucket):
     return fut
 
 
-def _number(name: str, value, high: float = math.inf) -> float:
-    """``value`` if it is a finite real in ``[0, high)``, else a ``ValueError`` naming ``name``."""
-    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    if not (real and math.isfinite(value) and 0 <= value < high):
-        bound = "" if high == math.inf else f" and < {high:g}"
-        raise ValueError(f"Invalid {name}={value!r}: a finite number >= 0{bound}.")
-    return float(value)
+# every argument's rule, as the optimizers' settings tables (birder_hf.base)
+RULES = {
+    "local_steps": rule(lambda v: is_integer(v) and v >= 1, "an int >= 1 (inner steps per outer step)"),
+    "outer_lr": NON_NEGATIVE,
+    "outer_momentum": rule(lambda v: is_real_number(v) and 0 <= v < 1, "a finite float in [0, 1)"),
+    "exchange": choice(EXCHANGES),
+    "encoding": choice(ENCODINGS),
+    "scale_block": rule(lambda v: v is None or (is_integer(v) and v >= 1), "an int >= 1, or None (one per tensor)"),
+    "seed": INTEGER,
+}
 
 
 class LocalSteps:
@@ -113,21 +113,15 @@ class LocalSteps:
         inter_method: str = DEFAULT_INTER_METHOD,
         seed: int = 0,
     ):
-        if not is_integer(local_steps) or local_steps < 1:
-            raise ValueError(f"Invalid local_steps={local_steps!r}: an int >= 1 (inner steps per outer step).")
-        self.outer_lr = _number("outer_lr", outer_lr)
-        self.outer_momentum = _number("outer_momentum", outer_momentum, 1.0)
-        if exchange not in EXCHANGES:
-            raise ValueError(f"Invalid exchange={exchange!r}: choose one of {', '.join(EXCHANGES)}.")
-        if encoding not in ENCODINGS:
-            raise ValueError(f"Invalid encoding={encoding!r}: choose one of {', '.join(ENCODINGS)}.")
-        if scale_block is not None and not (is_integer(scale_block) and scale_block >= 1):
-            raise ValueError(f"Invalid scale_block={scale_block!r}: an int >= 1, or None (one scale per tensor).")
-        if not is_integer(seed):
-            raise ValueError(f"Invalid seed={seed!r}: an int.")
+        given = dict(local_steps=local_steps, outer_lr=outer_lr, outer_momentum=outer_momentum, exchange=exchange)
+        given.update(encoding=encoding, scale_block=scale_block, seed=seed)
+        for name, value in given.items():
+            problem = RULES[name].problem(value)
+            if problem is not None:
+                raise ValueError(f"Invalid {name}={value!r}: {problem.format(name=name)}.")
         self.settings = check_settings(method, inter_method)
         self.local_steps, self.exchange, self.encoding, self.seed = int(local_steps), exchange, encoding, int(seed)
-        self.scale_block = scale_block
+        self.outer_lr, self.outer_momentum, self.scale_block = float(outer_lr), float(outer_momentum), scale_block
         self.error_feedback = exchange == "onebit" and encoding == "sign"
         self.inner_optimizer = unwrap_optimizer(optimizer)
         ddp = model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
@@ -149,8 +143,8 @@ class LocalSteps:
         with torch.no_grad():
             self.outer = [p.detach().float().clone() for p in self.params]
         self.momentum = [torch.zeros_like(o) for o in self.outer]
-        numel = sum(o.numel() for o in self.outer)
-        self.error_flat = self.outer[0].new_zeros(numel if self.error_feedback else 0)
+        self.numel = sum(o.numel() for o in self.outer)
+        self.error_flat = self.outer[0].new_zeros(self.numel if self.error_feedback else 0)
         self.error = self._split(self.error_flat, self.outer) if self.error_feedback else []
         # the groups that share one scale: blocks of scale_block elements inside each tensor (or whole tensors)
         sizes = []
@@ -189,7 +183,7 @@ class LocalSteps:
             self.finish()
 
     def _fp32_bytes(self) -> int:
-        return fp32_allreduce_bytes(sum(p.numel() for p in self.params), self.world_size)
+        return fp32_allreduce_bytes(self.numel, self.world_size)
 
     @torch.no_grad()
     def sync(self) -> None:
@@ -229,7 +223,7 @@ class LocalSteps:
         if self.error:  # what this rank could not send, sent later: e minus its own vote, scaled
             torch.sub(e, own_votes(u, topology=self.topology, keys=keys).mul_(scale), out=self.error_flat)
         d = onebit_all_reduce(u, topology=self.topology, method=self.settings, keys=keys, stats=self.stats, out=u)
-        self.stats.fp32_allreduce_bytes -= fp32_allreduce_bytes(u.numel(), n)  # counted per inner step instead
+        self.stats.fp32_allreduce_bytes -= self._fp32_bytes()  # counted per inner step instead
         return self._split(d.mul_(scale), delta)
 
     @staticmethod

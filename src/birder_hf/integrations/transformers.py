@@ -170,14 +170,7 @@ class BirderArguments:
 
     def topology(self) -> Topology:
         """The topology these arguments ask for (collective: every rank must call it)."""
-        if self.num_nodes is None:
-            return Topology.from_env()
-        import torch.distributed as dist
-
-        world = dist.get_world_size()
-        if world % self.num_nodes:
-            raise ValueError(f"--num_nodes {self.num_nodes} does not divide the world size {world}.")
-        return Topology.from_layout(self.num_nodes, world // self.num_nodes)
+        return _topology(self.num_nodes, "--num_nodes")
 
     def communication(self) -> dict:
         """Birder's all-reduce settings, as listed in model cards."""
@@ -400,6 +393,18 @@ class BirderTrainerMixin(RankStateTrainerMixin, ShardedTrainerMixin):
         )
 
 
+def _topology(num_nodes: int | None, flag: str) -> Topology:
+    """The launcher's layout (``None``), or its ranks split into ``num_nodes`` nodes (collective)."""
+    if num_nodes is None:
+        return Topology.from_env()
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    if world % num_nodes:
+        raise ValueError(f"{flag} {num_nodes} does not divide the world size {world}.")
+    return Topology.from_layout(num_nodes, world // num_nodes)
+
+
 def _check_supported_setup(args, b: BirderArguments, trainer=None) -> None:
     """Refuse, at construction, the Trainer set-ups Birder cannot train correctly (``args``: the TrainingArguments;
     ``trainer``: once built, for what accelerate's config enabled)."""
@@ -472,9 +477,7 @@ class LocalStepsArguments:
 
     def build(self, model, optimizer) -> LocalSteps:
         """The :class:`LocalSteps` these arguments describe (collective: every rank must call it)."""
-        topology = None
-        if self.outer_num_nodes is not None:
-            topology = BirderArguments(num_nodes=self.outer_num_nodes).topology()
+        topology = None if self.outer_num_nodes is None else _topology(self.outer_num_nodes, "--outer_num_nodes")
         return LocalSteps(
             model,
             optimizer,
