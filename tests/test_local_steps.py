@@ -129,6 +129,29 @@ def test_onebit_outer_steps_leave_replicas_identical_and_send_two_bits_per_outer
     assert not torch.equal(results[0]["snapshots"][1], results[0]["snapshots"][3])  # it trains
 
 
+def _two_groups(rank, world, steps):
+    import torch.distributed as dist
+
+    group, _ = dist.new_subgroups(group_size=2)  # ranks {0, 1} and {2, 3}: two jobs side by side
+    model = _model(seed=rank)  # no DDP wrapper: each rank starts from its own weights
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02)
+    local = LocalSteps(model, opt, local_steps=2, topology=Topology.flat(group), seed=3)
+    start = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    for step in range(steps):
+        _inner_step(model, opt, rank, step)
+        local.step()
+    return start, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_a_group_of_other_ranks_starts_from_its_own_first_rank_and_stays_among_itself():
+    results = run_distributed(_two_groups, 4, 4)
+    first = [torch.cat([p.detach().reshape(-1) for p in _model(seed=r).parameters()]) for r in (0, 2)]
+    for rank, (start, end) in enumerate(results):
+        assert torch.equal(start, first[rank // 2])  # the group's own first rank's weights, not global rank 0's
+        assert torch.equal(end, results[rank // 2 * 2][1])  # replicas equal inside the group
+    assert not torch.equal(results[0][1], results[2][1])  # and the groups trained apart
+
+
 def _exchange_many(rank, world, draws):
     torch.manual_seed(rank)
     model, deltas = torch.nn.Linear(8, 4), None

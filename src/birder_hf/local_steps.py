@@ -138,8 +138,10 @@ class LocalSteps:
             ddp.register_comm_hook(None, _local_only)
             ddp.broadcast_buffers = False  # DDP would broadcast rank 0's buffers before every forward
         elif self.topology is not None:  # every rank starts from rank 0's weights (DDP does this when it wraps)
+            group = self.topology.world_group
+            first = dist.get_global_rank(group, 0)  # the group's rank 0 (a group of ranks 2 and 3 starts from 2's)
             for t in self.params + self.buffers:
-                dist.broadcast(t.data, src=0, group=self.topology.world_group)
+                dist.broadcast(t.data, src=first, group=group)
         with torch.no_grad():
             self.outer = [p.detach().float().clone() for p in self.params]
         self.momentum = [torch.zeros_like(o) for o in self.outer]
