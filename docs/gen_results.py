@@ -6,7 +6,9 @@ A generated block sits between two markers; everything between them is this scri
     | ... the table ... |
     <!-- end generated -->
 
-Each block names the stored result behind every number, the commit it ran at (``report_commit``, when the run
+Blocks: ``standing`` (README's table), ``matrix FILE.json...`` (recipe_matrix results), ``qa_beta_heldout``, and
+``table FILE.md`` (the table a benchmark wrote next to its JSON, verbatim). Each block names the stored result behind
+every number, the commit it ran at (``report_commit``, when the run
 stored one) and the flags each run added to the recipe's defaults of that commit (README's rows say in words where
 those flags are today's defaults). ``tests/test_docs.py`` fails when a
 block is not what this script writes, so after storing a new result (or changing a block here) run:
@@ -245,7 +247,17 @@ def qa_beta_heldout() -> str:
     return "\n".join(rows) + "\n\nStored in " + ", ".join(cited) + ".\n"
 
 
-BLOCKS = {"standing": standing, "matrix": matrix, "qa_beta_heldout": qa_beta_heldout}
+def table(name: str) -> str:
+    """The table(s) a benchmark wrote next to its JSON (``docs/results/x.md``, from the first to the last table row,
+    headings between tables included), as it wrote them: ``<!-- ...: table x.md -->``."""
+    lines = (RESULTS / name).read_text(encoding="utf-8").splitlines()
+    rows = [i for i, line in enumerate(lines) if line.startswith("|")]
+    if not rows:
+        raise ValueError(f"{name} holds no table")
+    return "\n".join(lines[rows[0] : rows[-1] + 1]) + "\n"
+
+
+BLOCKS = {"standing": standing, "matrix": matrix, "qa_beta_heldout": qa_beta_heldout, "table": table}
 
 
 def render(text: str, doc: Path = ROOT / "README.md") -> str:
