@@ -243,6 +243,43 @@ def test_tta_report_composes_the_clock_and_finds_the_time_to_target(tmp_path):
     assert json.loads((work / "rates.json").read_text()) == {"lm": {"rate_mbit": 40.0}, "qa": {"rate_mbit": 30.0}}
 
 
+def test_tta_local_steps_clock_is_per_round_and_restore_puts_a_report_back(tmp_path):
+    tta = _load("tta")
+    work = tmp_path / "work"
+    # two ranks, H = 10, 30 timed steps: rank 0 computes a step in 0.1 s and waits 1.0 s at each exchange for rank 1,
+    # which computes in 0.2 s and exchanges in 0.1 s; a round takes 2.0 s on both (the first round 5 s more: set-up)
+    fast = ([0.1] * 9 + [1.1]) * 3
+    slow = ([0.2] * 9 + [0.2]) * 3
+    fast[9] += 5.0
+    slow[9] += 5.0
+    path = work / "steptime" / "qa-local10.jsonl"
+    path.parent.mkdir(parents=True)
+    record = {"kind": "done", "step_s": [max(a, b) for a, b in zip(fast, slow)], "step_s_per_rank": [fast, slow]}
+    path.write_text(json.dumps(record) + "\n")
+    args = tta.argparse.Namespace(work=work, slower=1)
+    inner, outer = tta._phase_times("qa", "local10", args)
+    assert inner == pytest.approx(0.15) and outer == pytest.approx(2.0 - 9 * 0.15)  # the slowest per step: 2.9 s
+    clock = tta.phase_clock(inner, outer, "local10", 20, 0.1)
+    assert clock[9] == pytest.approx(9 * 0.15) and clock[20] == pytest.approx(2 * 2.0)
+    assert tta.local_steps("local10-fp32") == 10 and tta.local_steps("birder-h") == 0
+    # restore: a stored report's curves become runs the report reads again, with the same numbers
+    stored = {
+        "config": {"seeds": [0, 1]},
+        "rates": {"lm": {"rate_mbit": 40.0}},
+        "tuned": {"lm": {"fp32": {"lr": 1e-3}}},
+        "tasks": {"lm": {"steps": 20, "batch_per_proc": 4, "methods": {"fp32": {
+            "lr": 1e-3, "steps": [0, 20], "per_seed": [[900.0, 100.0], [800.0, 110.0]],
+            "loopback_s_per_step": [0.3, 0.4],
+        }}}},
+    }  # fmt: skip
+    (tmp_path / "tta.json").write_text(json.dumps(stored))
+    assert tta.main(["restore", "--work", str(work), "--restore-from", str(tmp_path / "tta.json")]) == 0
+    assert json.loads((work / "tuned.json").read_text())["lm"]["local10"]["lr"] == 1e-3  # DDP fp32's rate
+    runs = [tta.read(work / "curves" / f"lm-fp32-seed{seed}.jsonl") for seed in (0, 1)]
+    assert [tta.final_metric(r, "lm") for r in runs] == [100.0, 110.0]
+    assert [tta._loopback_step_s(r) for r in runs] == [0.3, 0.4]
+
+
 def test_lr_protocol_times_each_row_on_its_own_clock(tmp_path):
     """A real-rank row (PowerSGD: its first 10% of the steps at the fp32 phase's rate) and a simulated Birder row,
     both timed from one steptime run; a seed that never reaches the target makes the worst 'not reached'."""

@@ -27,6 +27,7 @@ evaluation) and a final record with every step's duration, to ``--out``.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -45,10 +46,23 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "recipes"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from birder_hf import Birder, OneBitAdam, Topology, attach_ddp_hook  # noqa: E402
+from birder_hf import Birder, LocalSteps, OneBitAdam, Topology, attach_ddp_hook  # noqa: E402
 
 TASKS = ("qa", "image", "lm")
-METHODS = ("fp32", "fp16", "powersgd-r1", "powersgd-r4", "onebitadam", "birder-h", "birder-flat")
+METHODS = (
+    "fp32",
+    "fp16",
+    "powersgd-r1",
+    "powersgd-r4",
+    "onebitadam",
+    "birder-h",
+    "birder-flat",
+    "local10",
+    "local10-fp32",
+)
+# local-step methods: H inner AdamW / SGDM steps per outer step, the outer exchange, and its (lr, momentum): the
+# recipes' choice per exchange on QA seeds 0-2 (docs/results/recipe_matrix_qa_local_h10_tune.json)
+LOCAL = {"local10": (10, "onebit", 0.7, 0.5), "local10-fp32": (10, "fp32", 0.4, 0.8)}
 PRIMARY = {"qa": ("f1", True), "image": ("top1", True), "lm": ("perplexity", False)}  # metric, higher is better
 
 
@@ -231,8 +245,15 @@ def base_optimizer(task: str, params, lr: float):
 
 
 def setup_method(method: str, task: Task, ddp: DDP, args, topo: Topology):
-    """The optimizer of ``method``, with its communication hook registered on ``ddp``."""
+    """The optimizer of ``method``, with its communication hook registered on ``ddp``, and the LocalSteps of a
+    local-step method (else None)."""
     params, warmup = ddp.parameters(), max(2, round(args.warmup_frac * args.steps))
+    if method in LOCAL:
+        h, exchange, outer_lr, outer_momentum = LOCAL[method]
+        opt = base_optimizer(task.name, params, args.lr)
+        local = LocalSteps(ddp, opt, local_steps=h, exchange=exchange, outer_lr=outer_lr,
+                           outer_momentum=outer_momentum, topology=topo, seed=args.seed)  # fmt: skip
+        return opt, local
     if method in ("fp32", "fp16") or method.startswith("powersgd"):
         opt = base_optimizer(task.name, params, args.lr)
         if method == "fp16":
@@ -247,14 +268,14 @@ def setup_method(method: str, task: Task, ddp: DDP, args, topo: Topology):
                 random_seed=args.seed,
             )
             ddp.register_comm_hook(Chain(psgd.powerSGD_hook, state), chained_hook)
-        return opt
+        return opt, None
     wd = 0.1 if task.name == "image" else 0.01
     if method == "onebitadam":
         opt = OneBitAdam(params, lr=args.lr, weight_decay=wd, freeze_step=warmup)
     else:
         opt = Birder(params, lr=args.lr, beta=0.95, weight_decay=wd, seed=args.seed, **json.loads(args.birder_options))
     attach_ddp_hook(ddp, opt, topology=topo, method="allgather" if method == "birder-flat" else "hierarchical")
-    return opt
+    return opt, None
 
 
 def lr_lambda(steps: int, warmup: float = 0.05):
@@ -294,14 +315,20 @@ def main(argv=None) -> int:
         topo = Topology.from_env() if "LOCAL_WORLD_SIZE" in os.environ else Topology.flat()
     work = Path(args.work or Path(args.out).parent)
     task = build_task(args.task, args, rank, world, work)
-    if args.method.startswith("birder") or args.method == "onebitadam":
+    onebit_outer = args.method in LOCAL and LOCAL[args.method][1] == "onebit"
+    if args.method.startswith("birder") or args.method == "onebitadam" or onebit_outer:
         # compile the codec kernels before the clock starts: a one-off cost per process, not per step
         from _throughput_worker import warm_codec
 
         solo_group, _ = dist.new_subgroups(group_size=1)
         warm_codec(Topology.flat(solo_group), sum(p.numel() for p in task.model.parameters()))
+    if onebit_outer:  # and those of the outer exchange, on a copy of the model
+        probe = copy.deepcopy(task.model)
+        LocalSteps(probe, torch.optim.SGD(probe.parameters(), lr=0.0), local_steps=1,
+                   topology=Topology.flat(solo_group)).step()  # fmt: skip
+        del probe
     ddp = DDP(task.model, init_sync=False)  # same seed everywhere: identical initial weights
-    opt = setup_method(args.method, task, ddp, args, topo)
+    opt, local = setup_method(args.method, task, ddp, args, topo)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.steps, args.lr_warmup))
     tag = json.loads(args.tag) if args.tag else {}
     base = dict(
@@ -316,6 +343,8 @@ def main(argv=None) -> int:
         batch_per_proc=args.batch,
         lr_warmup=args.lr_warmup,
     )
+    if local is not None:
+        base["local_steps"], base["outer_exchange"], base["outer_lr"], base["outer_momentum"] = LOCAL[args.method]
 
     def emit(rec):
         if rank == 0:
@@ -350,6 +379,8 @@ def main(argv=None) -> int:
         loss = task.loss(ddp, task.batch(step))
         loss.backward()
         opt.step()
+        if local is not None:
+            local.step()  # every H-th step: the exchange and the outer step
         sched.step()
         opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
@@ -366,6 +397,9 @@ def main(argv=None) -> int:
         {
             "kind": "done",
             "step_s": [max(r[i] for r in all_steps) for i in range(args.steps)],
+            # a local-step method's ranks meet only at the exchange, where the fast ones wait for the slow: its
+            # time is per round (tta.py), and the slowest rank per step would count the skew twice
+            **({"step_s_per_rank": all_steps} if local is not None else {}),
             "loadavg_1min": os.getloadavg()[0],
         }
     )

@@ -32,6 +32,11 @@ Learning rates: tuned on seed 0 from a grid per method (``GRIDS``), best final m
 the grid extends the grid past it (halving or doubling, 6 values at most); methods in ``SHARED_LR`` take the tuned
 value of the method they are a drop-in for (``--tune-all`` tunes them too); no method is tuned down.
 Results: ``docs/results/tta.json``, ``tta_table.md``, ``tta.png`` (metric against seconds, one panel per task).
+
+**Local steps** (``local10``: ``LocalSteps`` with H = 10 and the 1-bit outer exchange; ``local10-fp32``: fp32
+DiLoCo) take DDP fp32's learning rate for their inner AdamW. ``restore`` puts a stored report's rates, learning rates
+and curves back into ``--work``, so that new methods can be measured beside them; ``--slower K`` runs the link phases
+(and reports) on a link K times slower than the calibrated one.
 Runs are resumable: a run whose JSON lines are complete is read, not run again. Namespace phases need root.
 """
 
@@ -53,7 +58,17 @@ sys.path.insert(0, str(_HERE.parent))
 
 ROOT = _HERE.parents[1]
 WORKER = _HERE / "_tta_worker.py"
-METHODS = ("fp32", "fp16", "powersgd-r1", "powersgd-r4", "onebitadam", "birder-h", "birder-flat")
+METHODS = (
+    "fp32",
+    "fp16",
+    "powersgd-r1",
+    "powersgd-r4",
+    "onebitadam",
+    "birder-h",
+    "birder-flat",
+    "local10",
+    "local10-fp32",
+)
 LABELS = {
     "fp32": "DDP fp32",
     "fp16": "fp16 hook",
@@ -62,6 +77,8 @@ LABELS = {
     "onebitadam": "1-bit Adam",
     "birder-h": "Birder hierarchical",
     "birder-flat": "Birder flat (allgather)",
+    "local10": "local steps H=10, 1-bit outer",
+    "local10-fp32": "local steps H=10, fp32 outer (DiLoCo)",
 }
 COLORS = {
     "fp32": "#4c72b0",
@@ -71,6 +88,8 @@ COLORS = {
     "onebitadam": "#9467bd",
     "birder-h": "#d94801",
     "birder-flat": "#fdae6b",
+    "local10": "#a50f15",
+    "local10-fp32": "#737373",
 }
 PRIMARY = {
     "qa": ("f1", True, "SQuAD F1"),
@@ -93,7 +112,19 @@ EVAL_EVERY = {"qa": 50, "image": 50, "lm": 50}
 
 # methods that take another method's tuned learning rate (same optimizer; the hook is a drop-in for DDP's
 # all-reduce), unless --tune-all: what a user switching on fp16 or PowerSGD does, and it halves the tuning runs
-SHARED_LR = {"fp16": "fp32", "powersgd-r1": "fp32", "powersgd-r4": "fp32", "birder-flat": "birder-h"}
+SHARED_LR = {
+    "fp16": "fp32",
+    "powersgd-r1": "fp32",
+    "powersgd-r4": "fp32",
+    "birder-flat": "birder-h",
+    "local10": "fp32",
+    "local10-fp32": "fp32",
+}  # local steps: DDP's inner optimizer at DDP's rate
+
+
+def local_steps(method: str) -> int:
+    """H of a local-step method (``local10``: 10), 0 for a method that exchanges on every step."""
+    return int(method[len("local") :].split("-")[0]) if method.startswith("local") else 0
 
 
 def grid(task: str, method: str) -> list[float]:
@@ -225,6 +256,41 @@ def curves(args) -> None:
                 run_local(task, method, lrs[task][method]["lr"], seed, args, out)
 
 
+def restore(args) -> None:
+    """Put a stored report's link rates, learning rates and quality curves back into ``--work``, so that new methods'
+    curves and every method's step times can be measured beside them without running the stored curves again (what
+    a method computes does not depend on the link). A restored curve holds the stored evaluations, the stored
+    loopback seconds per step, and the file it came from; the methods that share another's rate (``SHARED_LR``) and
+    are not in the stored report get it."""
+    stored = json.loads(args.restore_from.read_text())
+    source = _rel(args.restore_from)
+    lrs = stored["tuned"]
+    for task in lrs:
+        for method, other in SHARED_LR.items():
+            if method not in lrs[task] and other in lrs[task]:
+                lrs[task][method] = {"lr": lrs[task][other]["lr"], "grid": f"shared with {other}"}
+    for name, value in (("rates", stored["rates"]), ("tuned", lrs)):
+        if not (args.work / f"{name}.json").exists():
+            _merge(args.work / f"{name}.json", value)
+    seeds = stored["config"]["seeds"]
+    for task, t in stored["tasks"].items():
+        key = PRIMARY[task][0]
+        for method, m in t["methods"].items():
+            if len(m["per_seed"]) != len(seeds):
+                raise SystemExit(f"{source}: {task} {method} has {len(m['per_seed'])} seeds, not {seeds}")
+            for seed, values, loop_s in zip(seeds, m["per_seed"], m["loopback_s_per_step"]):
+                out = args.work / "curves" / f"{task}-{method}-seed{seed}.jsonl"
+                if _complete(out):
+                    continue
+                out.parent.mkdir(parents=True, exist_ok=True)
+                head = {"task": task, "method": method, "lr": m["lr"], "seed": seed, "steps": t["steps"],
+                        "batch_per_proc": t["batch_per_proc"], "restored_from": source}  # fmt: skip
+                recs = [{**head, "kind": "eval", "step": p, key: v} for p, v in zip(m["steps"], values)]
+                recs.append({**head, "kind": "done", "loopback_s_per_step": loop_s})
+                out.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    print(f"[restore] {source} -> {_rel(args.work)}", flush=True)
+
+
 def _compute_and_bytes(tb, task, args) -> tuple[float, float]:
     """Seconds per step of the fp32 method on an unshaped link (nearly all compute), and fp32 bytes per step that
     leave node 0 through its link."""
@@ -256,24 +322,33 @@ def calibrate(args) -> dict:
     return rates
 
 
+def _dir(args, phase: str) -> str:
+    """The folder of a link phase's runs: ``steptime``, or ``steptime-slow10`` on a link ``--slower 10`` times
+    slower than the calibrated one."""
+    return phase if args.slower == 1 else f"{phase}-slow{args.slower:g}"
+
+
 def _on_link(args, phase: str, methods, **kw) -> list[tuple]:
-    """Run ``methods`` of every task on the shaped link (one testbed per task, at the task's calibrated rate) into
-    ``<work>/<phase>/<task>-<method>.jsonl``; returns (task, method, path, node 0's link bytes sent) for the runs
-    made now (``None`` bytes for the runs already complete)."""
+    """Run ``methods`` of every task on the shaped link (one testbed per task, at the task's calibrated rate divided
+    by ``--slower``) into ``<work>/<phase>/<task>-<method>.jsonl``; returns (task, method, path, node 0's link bytes
+    sent) for the runs made now (``None`` bytes for the runs already complete)."""
     import testbed
 
     rates = json.loads((args.work / "rates.json").read_text())
     lrs, made = tuned(args), []
     for task in args.tasks:
-        with testbed.Testbed("ethernet", nodes=2, rate_mbit=rates[task]["rate_mbit"]) as tb:
+        with testbed.Testbed("ethernet", nodes=2, rate_mbit=rates[task]["rate_mbit"] / args.slower) as tb:
             for method in methods:
-                out = args.work / phase / f"{task}-{method}.jsonl"
+                out = args.work / _dir(args, phase) / f"{task}-{method}.jsonl"
                 out.parent.mkdir(parents=True, exist_ok=True)
                 if _complete(out):
                     made.append((task, method, out, None))
                     continue
                 _, tx0 = tb.link_bytes(0)
-                run_testbed(tb, task, method, lrs[task][method]["lr"], 0, args, out, **kw)
+                steps = kw.get("steps")
+                if steps and local_steps(method):  # the first exchange carries one-off set-up: time two more
+                    steps = max(steps, 3 * local_steps(method))
+                run_testbed(tb, task, method, lrs[task][method]["lr"], 0, args, out, **{**kw, "steps": steps})
                 made.append((task, method, out, tb.link_bytes(0)[1] - tx0))
     return made
 
@@ -284,8 +359,9 @@ def steptime(args) -> None:
     runs = _on_link(args, "steptime", args.methods, steps=args.time_steps, extra=["--no-eval", "--warmup-frac", "0.5"])
     for _, _, out, sent in runs:
         if sent is not None:
+            steps = len([r for r in read(out) if r.get("kind") == "done"][-1]["step_s"])
             with open(out, "a") as f:  # what node 0 sent over its link, all timed steps together
-                f.write(json.dumps({"kind": "link", "node0_tx_bytes": sent, "steps": args.time_steps}) + "\n")
+                f.write(json.dumps({"kind": "link", "node0_tx_bytes": sent, "steps": steps}) + "\n")
 
 
 def validate(args) -> None:
@@ -295,12 +371,22 @@ def validate(args) -> None:
 
 # -------------------------------------------------------------------------------------------------------- report
 def _phase_times(task: str, method: str, args) -> tuple[float, float]:
-    """(seconds per fp32-phase step, seconds per compressed step) on the link, from the steptime run."""
-    rec = [r for r in read(args.work / "steptime" / f"{task}-{method}.jsonl") if r.get("kind") == "done"][-1]
-    s = rec["step_s"]
+    """(seconds per fp32-phase step, seconds per compressed step) on the link, from the steptime run; for a
+    local-step method (seconds per inner step, seconds per step that ends with the exchange and outer step)."""
+    rec = [r for r in read(args.work / _dir(args, "steptime") / f"{task}-{method}.jsonl") if r.get("kind") == "done"]
+    s = rec[-1]["step_s"]
     if method.startswith("powersgd") or method == "onebitadam":
         half = len(s) // 2
         return statistics.median(s[2:half]), statistics.median(s[half + 2 :])
+    if h := local_steps(method):
+        # the ranks meet only at the exchange, so a round (H inner steps and the exchange) takes the same wall time on
+        # every rank, while the slowest rank of each step double-counts the skew the exchange absorbs: the outer
+        # step's time is a round's median (over the ranks and the rounds after the first, whose exchange sets up its
+        # groups and kernels) less H - 1 inner steps
+        ranks = rec[-1]["step_s_per_rank"]
+        inner = statistics.median(t for r in ranks for i, t in enumerate(r, 1) if i > 2 and i % h)
+        rounds = [sum(r[k : k + h]) for r in ranks for k in range(h, len(r) - h + 1, h)]
+        return inner, statistics.median(rounds) - (h - 1) * inner
     t = statistics.median(s[2:])
     return t, t
 
@@ -310,8 +396,13 @@ def _link_mb(task: str, method: str, args) -> float | None:
     half of whose timed steps were fp32: their mean minus fp32's share)."""
 
     def per_step(m):
-        rec = [r for r in read(args.work / "steptime" / f"{task}-{m}.jsonl") if r.get("kind") == "link"]
-        return rec[-1]["node0_tx_bytes"] / rec[-1]["steps"] / 1e6 if rec else None
+        rec = [r for r in read(args.work / _dir(args, "steptime") / f"{task}-{m}.jsonl") if r.get("kind") == "link"]
+        if not rec:
+            return None
+        # a local-step method sends only at its steps // H exchanges: per inner step, one exchange over H
+        h = local_steps(m)
+        steps = rec[-1]["steps"] // h * h if h else rec[-1]["steps"]
+        return rec[-1]["node0_tx_bytes"] / steps / 1e6
 
     mean = per_step(method)
     if mean is None or not (method.startswith("powersgd") or method == "onebitadam"):
@@ -327,19 +418,24 @@ def composed_clock(task, method, steps: int, warmup_frac: float, args) -> list[f
 
 def phase_clock(fp32_phase: float, compressed: float, method: str, steps: int, warmup_frac: float) -> list[float]:
     """Seconds after each step 0..steps: PowerSGD and 1-bit Adam run their first ``warmup_frac`` of the steps (the
-    worker's ``--warmup-frac``, at least 2) at the fp32 phase's rate, every other step at the compressed rate."""
+    worker's ``--warmup-frac``, at least 2) at the fp32 phase's rate, every other step at the compressed rate. A
+    local-step method's (inner, outer) times: every H-th step at the outer rate, the others at the inner."""
     warm = max(2, round(warmup_frac * steps)) if (method.startswith("powersgd") or method == "onebitadam") else 0
+    h = local_steps(method)
     clock, t = [0.0], 0.0
     for s in range(1, steps + 1):
-        t += fp32_phase if s <= warm else compressed
+        t += compressed if (s % h == 0 if h else s > warm) else fp32_phase
         clock.append(t)
     return clock
 
 
 def _loopback_step_s(records: list[dict]) -> float:
     """Median seconds per step of a quality run on loopback (no slow link) after its first 10% (warm-ups): the
-    method's compute and codec cost without the link's."""
-    s = [r for r in records if r.get("kind") == "done"][-1]["step_s"]
+    method's compute and codec cost without the link's (a restored run carries the stored value)."""
+    done = [r for r in records if r.get("kind") == "done"][-1]
+    if "loopback_s_per_step" in done:
+        return done["loopback_s_per_step"]
+    s = done["step_s"]
     return statistics.median(s[len(s) // 10 :])
 
 
@@ -364,7 +460,8 @@ def report(args) -> dict:
     lrs = tuned(args)
     # steps and batch are per task (read from the runs' records below), not this invocation's
     config = {k: (_rel(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("steps", "batch")}
-    result = {"config": config,
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    result = {"config": config, "report_commit": commit,
               "rates": json.loads((args.work / "rates.json").read_text()), "tuned": lrs, "tasks": {}}  # fmt: skip
     for task in args.tasks:
         key, higher, label = PRIMARY[task]
@@ -404,7 +501,7 @@ def report(args) -> dict:
                                  **setting,
                                  "methods": per_method}  # fmt: skip
         for method in args.validate:
-            path = args.work / "validate" / f"{task}-{method}.jsonl"
+            path = args.work / _dir(args, "validate") / f"{task}-{method}.jsonl"
             ev = [e for e in read(path) if e.get("kind") == "eval"]
             if ev and method in per_method:
                 comp = composed_clock(task, method, ev[0]["steps"], 0.1, args)
@@ -413,10 +510,11 @@ def report(args) -> dict:
                     for e in ev
                 ]
     args.results.mkdir(parents=True, exist_ok=True)
-    (args.results / "tta.json").write_text(json.dumps(result, indent=1))
-    (args.results / "tta_table.md").write_text(table(result))
+    stem = args.stem + ("" if args.slower == 1 else f"_slow{args.slower:g}")
+    (args.results / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    (args.results / f"{stem}_table.md").write_text(table(result))
     if not args.no_plots:
-        plot(result, args.results / "tta.png")
+        plot(result, args.results / f"{stem}.png", args.slower)
     print(table(result))
     return result
 
@@ -450,7 +548,7 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(result: dict, path: Path) -> None:
+def plot(result: dict, path: Path, slower: float = 1) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -466,6 +564,8 @@ def plot(result: dict, path: Path) -> None:
         if t["target"] is not None:
             ax.axhline(t["target"], color="grey", ls="--", lw=0.8, label="95% of fp32's final")
         xlabel = "training seconds on the emulated link (evaluation excluded)"
+        if slower != 1:
+            xlabel = f"training seconds on a link {slower:g}x slower (evaluation excluded)"
         ax.set(title=TITLES[task], xlabel=xlabel, ylabel=t["label"])
         if not PRIMARY[task][1]:
             ax.set_yscale("log")
@@ -482,7 +582,8 @@ def plot(result: dict, path: Path) -> None:
 # ----------------------------------------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("phase", choices=("calibrate", "tune", "curves", "steptime", "validate", "report", "all"))
+    phases = ("calibrate", "tune", "curves", "steptime", "validate", "report", "all", "restore")
+    ap.add_argument("phase", choices=phases)
     ap.add_argument("--tasks", nargs="+", default=["qa", "image"], choices=tuple(PRIMARY))
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
@@ -496,6 +597,14 @@ def main(argv=None) -> int:
     ap.add_argument("--results", type=Path, default=ROOT / "docs" / "results")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--tune-all", action="store_true", help="tune every method (default: SHARED_LR share)")
+    ap.add_argument("--slower", type=float, default=1, help="link phases at the calibrated rate / SLOWER")
+    ap.add_argument("--stem", default="tta", help="results file names: STEM.json, STEM_table.md, STEM.png")
+    ap.add_argument(
+        "--restore-from",
+        type=Path,
+        default=ROOT / "docs" / "results" / "tta.json",
+        help="restore: the stored report whose link rates, learning rates and curves go back into --work",
+    )
     args = ap.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
     phases = ["calibrate", "tune", "curves", "steptime", "validate", "report"] if args.phase == "all" else [args.phase]
