@@ -325,7 +325,8 @@ def calibrate(args) -> dict:
 def _dir(args, phase: str) -> str:
     """The folder of a link phase's runs: ``steptime``, or ``steptime-slow10`` on a link ``--slower 10`` times
     slower than the calibrated one."""
-    return phase if args.slower == 1 else f"{phase}-slow{args.slower:g}"
+    slower = getattr(args, "slower", 1)  # other harnesses pass only work=
+    return phase if slower == 1 else f"{phase}-slow{slower:g}"
 
 
 def _on_link(args, phase: str, methods, **kw) -> list[tuple]:
