@@ -201,6 +201,12 @@ def rule_learning_rate(opt_args) -> tuple[float, str]:
 def apply_rule_defaults(argv: list[str], opt_args, training_args) -> None:
     """Fill the learning rate and Birder's rule settings the command line left out (see ``UPDATE_RULES``)."""
     given = given_flags(argv)
+    if opt_args.local_steps and not given & {"outer_lr", "outer_momentum"} and opt_args.outer_exchange == "onebit":
+        # the 1-bit outer exchange's best on this task, of (0.7, 0.5) (LocalSteps' default, QA's best), (0.4, 0.8),
+        # (1.0, 0.0) and (0.5, 0.5) on seeds 0-2 at H = 10; on seeds 3-7 and 42 its median perplexity was 3.6% above
+        # fp32 DiLoCo's (7.7% with (0.7, 0.5), seeds 3-5; docs/results/recipe_matrix_lm_local_h10_tune.json,
+        # recipe_matrix_lm_local_h10_lmtuned_heldout.json, recipe_matrix_lm_local_heldout.json)
+        opt_args.outer_lr, opt_args.outer_momentum = 1.0, 0.0
     if opt_args.optimizer != "birder":
         if "learning_rate" not in given:
             training_args.learning_rate = DEFAULT_LR[opt_args.optimizer]

@@ -97,8 +97,13 @@ def test_bert_recipe_local_steps_exchange_every_h_steps(tmp_path):
 @pytest.mark.parametrize("name", ["bert_base", "causal_lm"])
 def test_recipe_local_steps_arguments(name):
     recipe = _recipe_module(name)
-    _, _, opt, _ = recipe.parse_args(["--optimizer", "adamw", "--local_steps", "10", "--num_nodes", "2"])
-    assert (opt.local_steps, opt.outer_num_nodes, opt.outer_exchange, opt.outer_momentum) == (10, 2, "onebit", 0.5)
+    local = ["--optimizer", "adamw", "--local_steps", "10"]
+    _, _, opt, _ = recipe.parse_args([*local, "--num_nodes", "2"])
+    assert (opt.local_steps, opt.outer_num_nodes, opt.outer_exchange) == (10, 2, "onebit")
+    # the 1-bit exchange's outer step as chosen on each task's own seeds; what a command line gives is kept
+    assert (opt.outer_lr, opt.outer_momentum) == ((1.0, 0.0) if name == "causal_lm" else (0.7, 0.5))
+    assert recipe.parse_args([*local, "--outer_momentum", "0.5"])[2].outer_momentum == 0.5
+    assert recipe.parse_args([*local, "--outer_exchange", "fp32"])[2].outer_lr == 0.7
     with pytest.raises(ValueError, match="--local_steps runs an uncompressed inner optimizer.*--optimizer adamw"):
         recipe.parse_args(["--local_steps", "10"])
     with pytest.raises(ValueError, match="local_steps=-1"):
