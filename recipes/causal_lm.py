@@ -199,7 +199,8 @@ def rule_learning_rate(opt_args) -> tuple[float, str]:
 
 
 def apply_rule_defaults(argv: list[str], opt_args, training_args) -> None:
-    """Fill the learning rate and Birder's rule settings the command line left out (see ``UPDATE_RULES``)."""
+    """Fill the learning rate, Birder's rule settings (see ``UPDATE_RULES``) and the 1-bit local steps' outer step
+    the command line left out."""
     given = given_flags(argv)
     if opt_args.local_steps and not given & {"outer_lr", "outer_momentum"} and opt_args.outer_exchange == "onebit":
         # the 1-bit outer exchange's best on this task, of (0.7, 0.5) (LocalSteps' default, QA's best), (0.4, 0.8),

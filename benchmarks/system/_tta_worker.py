@@ -46,20 +46,11 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "recipes"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from tta import METHODS  # noqa: E402  (the harness's list: one place)
+
 from birder_hf import Birder, LocalSteps, OneBitAdam, Topology, attach_ddp_hook  # noqa: E402
 
 TASKS = ("qa", "image", "lm")
-METHODS = (
-    "fp32",
-    "fp16",
-    "powersgd-r1",
-    "powersgd-r4",
-    "onebitadam",
-    "birder-h",
-    "birder-flat",
-    "local10",
-    "local10-fp32",
-)
 # local-step methods: H inner AdamW / SGDM steps per outer step, the outer exchange, and its (lr, momentum): the
 # recipes' choice per exchange on QA seeds 0-2 (docs/results/recipe_matrix_qa_local_h10_tune.json)
 LOCAL = {"local10": (10, "onebit", 0.7, 0.5), "local10-fp32": (10, "fp32", 0.4, 0.8)}
