@@ -313,11 +313,10 @@ def main(argv=None) -> int:
 
         solo_group, _ = dist.new_subgroups(group_size=1)
         warm_codec(Topology.flat(solo_group), sum(p.numel() for p in task.model.parameters()))
-    if onebit_outer:  # and those of the outer exchange, on a copy of the model
-        probe = copy.deepcopy(task.model)
-        LocalSteps(probe, torch.optim.SGD(probe.parameters(), lr=0.0), local_steps=1,
-                   topology=Topology.flat(solo_group)).step()  # fmt: skip
-        del probe
+        if onebit_outer:  # and those of the outer exchange, on a copy of the model
+            probe = copy.deepcopy(task.model)
+            LocalSteps(probe, torch.optim.SGD(probe.parameters(), lr=0.0), local_steps=1,
+                       topology=Topology.flat(solo_group)).step()  # fmt: skip
     ddp = DDP(task.model, init_sync=False)  # same seed everywhere: identical initial weights
     opt, local = setup_method(args.method, task, ddp, args, topo)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.steps, args.lr_warmup))
