@@ -241,6 +241,11 @@ def test_tta_report_composes_the_clock_and_finds_the_time_to_target(tmp_path):
     # tasks are calibrated (and tuned) one invocation at a time: a second task's result keeps the first's
     tta._merge(work / "rates.json", {"qa": {"rate_mbit": 30.0}})
     assert json.loads((work / "rates.json").read_text()) == {"lm": {"rate_mbit": 40.0}, "qa": {"rate_mbit": 30.0}}
+    # and a method tuned on its own keeps the learning rates of the task's other methods
+    tta._merge(work / "tuned.json", {"lm": {"fp32": {"lr": 5e-4}, "birder-h": {"lr": 1e-3}}})
+    tta._merge(work / "tuned.json", {"lm": {"local10": {"lr": 2e-3}}})
+    assert {"birder-h", "fp32", "local10"} <= set(json.loads((work / "tuned.json").read_text())["lm"])
+    assert json.loads((work / "tuned.json").read_text())["lm"]["fp32"] == {"lr": 5e-4}
 
 
 def test_tta_local_steps_clock_is_per_round_and_restore_puts_a_report_back(tmp_path):

@@ -51,9 +51,18 @@ from tta import METHODS  # noqa: E402  (the harness's list: one place)
 from birder_hf import Birder, LocalSteps, OneBitAdam, Topology, attach_ddp_hook  # noqa: E402
 
 TASKS = ("qa", "image", "lm")
-# local-step methods: H inner AdamW / SGDM steps per outer step, the outer exchange, and its (lr, momentum): the
-# recipes' choice per exchange on QA seeds 0-2 (docs/results/recipe_matrix_qa_local_h10_tune.json)
-LOCAL = {"local10": (10, "onebit", 0.7, 0.5), "local10-fp32": (10, "fp32", 0.4, 0.8)}
+# local-step methods: H inner AdamW / SGDM steps per outer step, the outer exchange, and its (lr, momentum) per task:
+# the recipes' choice per exchange on that task's seeds 0-2 (docs/results/recipe_matrix_qa_local_h10_tune.json,
+# recipe_matrix_lm_local_h10_tune.json); the image task, where none was chosen, takes QA's
+LOCAL = {"local10": (10, "onebit"), "local10-fp32": (10, "fp32")}
+OUTER = {"local10": {"qa": (0.7, 0.5), "lm": (1.0, 0.0)}, "local10-fp32": {"qa": (0.4, 0.8), "lm": (0.5, 0.5)}}
+
+
+def local_setup(method: str, task: str) -> tuple[int, str, float, float]:
+    """``(H, exchange, outer_lr, outer_momentum)`` of a local-step method on ``task``."""
+    return *LOCAL[method], *OUTER[method].get(task, OUTER[method]["qa"])
+
+
 PRIMARY = {"qa": ("f1", True), "image": ("top1", True), "lm": ("perplexity", False)}  # metric, higher is better
 
 
@@ -240,7 +249,7 @@ def setup_method(method: str, task: Task, ddp: DDP, args, topo: Topology):
     local-step method (else None)."""
     params, warmup = ddp.parameters(), max(2, round(args.warmup_frac * args.steps))
     if method in LOCAL:
-        h, exchange, outer_lr, outer_momentum = LOCAL[method]
+        h, exchange, outer_lr, outer_momentum = local_setup(method, task.name)
         opt = base_optimizer(task.name, params, args.lr)
         local = LocalSteps(ddp, opt, local_steps=h, exchange=exchange, outer_lr=outer_lr,
                            outer_momentum=outer_momentum, topology=topo, seed=args.seed)  # fmt: skip
@@ -334,7 +343,8 @@ def main(argv=None) -> int:
         lr_warmup=args.lr_warmup,
     )
     if local is not None:
-        base["local_steps"], base["outer_exchange"], base["outer_lr"], base["outer_momentum"] = LOCAL[args.method]
+        setup = local_setup(args.method, args.task)
+        base["local_steps"], base["outer_exchange"], base["outer_lr"], base["outer_momentum"] = setup
 
     def emit(rec):
         if rank == 0:

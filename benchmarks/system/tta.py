@@ -34,7 +34,8 @@ value of the method they are a drop-in for (``--tune-all`` tunes them too); no m
 Results: ``docs/results/tta.json``, ``tta_table.md``, ``tta.png`` (metric against seconds, one panel per task).
 
 **Local steps** (``local10``: ``LocalSteps`` with H = 10 and the 1-bit outer exchange; ``local10-fp32``: fp32
-DiLoCo) take DDP fp32's learning rate for their inner AdamW. ``restore`` puts a stored report's rates, learning rates
+DiLoCo; the outer step per task in ``_tta_worker.OUTER``) take DDP fp32's learning rate for their inner AdamW, or
+their own with ``--tune-all``. ``restore`` puts a stored report's rates, learning rates
 and curves back into ``--work``, so that new methods can be measured beside them; ``--slower K`` runs the link phases
 (and reports) on a link K times slower than the calibrated one.
 Runs are resumable: a run whose JSON lines are complete is read, not run again. Namespace phases need root.
@@ -187,11 +188,14 @@ def run_testbed(tb, task, method, lr, seed, args, out: Path, **kw) -> None:
 
 
 def _merge(path: Path, per_task: dict) -> None:
-    """Write ``per_task`` into the JSON file at ``path``, keeping the tasks that this run did not touch (the tasks
-    are calibrated and tuned one invocation at a time)."""
+    """Write ``per_task`` into the JSON file at ``path``, keeping the tasks, and the entries of a task (a method's
+    learning rate), that this run did not touch (tasks and methods are calibrated and tuned a few at a time)."""
     old = json.loads(path.read_text()) if path.exists() else {}
+    for task, value in per_task.items():
+        both = isinstance(value, dict) and isinstance(old.get(task), dict)
+        old[task] = {**old[task], **value} if both else value
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({**old, **per_task}, indent=1))
+    tmp.write_text(json.dumps(old, indent=1))
     os.replace(tmp, path)
 
 
