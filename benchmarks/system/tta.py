@@ -235,7 +235,7 @@ def tune(args) -> dict:
             pick = (max if higher else min)(scores, key=scores.get)
             best.setdefault(task, {})[method] = {"lr": pick, "grid": scores}
             print(f"[tune] {task} {method}: {scores} -> {pick:g}", flush=True)
-    _merge(args.work / "tuned.json", best)
+            _merge(args.work / "tuned.json", {task: {method: best[task][method]}})  # usable before the others finish
     return best
 
 
@@ -253,9 +253,10 @@ def curves(args) -> None:
             for method in args.methods:
                 out = args.work / "curves" / f"{task}-{method}-seed{seed}.jsonl"
                 out.parent.mkdir(parents=True, exist_ok=True)
-                if seed == 0:  # the tuning run is this run: same task, method, lr, seed and steps
+                if seed == 0:  # the tuning run is this run where it ran as many steps: same task, method, lr, seed
                     src = args.work / "tune" / f"{task}-{method}-lr{lrs[task][method]['lr']:g}.jsonl"
-                    if _complete(src) and not out.exists():
+                    same = _complete(src) and read(src)[0].get("steps") == (args.steps or STEPS[task])
+                    if same and not out.exists():
                         out.write_text(src.read_text())
                 run_local(task, method, lrs[task][method]["lr"], seed, args, out)
 
@@ -477,7 +478,8 @@ def report(args) -> dict:
             if not runs:
                 continue
             steps = runs[0][0]["steps"]
-            setting = {"steps": steps, "batch_per_proc": runs[0][0].get("batch_per_proc")}  # the same for every method
+            if method == "fp32" or setting["steps"] is None:  # the task's setting is the reference's
+                setting = {"steps": steps, "batch_per_proc": runs[0][0].get("batch_per_proc")}
             clock = composed_clock(task, method, steps, 0.1, args)
             evals = [[e for e in r if e.get("kind") == "eval"] for r in runs]
             points = [e["step"] for e in evals[0]]
@@ -489,6 +491,7 @@ def report(args) -> dict:
                                   "min": [min(v[i] for v in values) for i in range(len(points))],
                                   "max": [max(v[i] for v in values) for i in range(len(points))],
                                   "per_seed": values, "final": [v[-1] for v in values], "seeds": len(runs),
+                                  "run_steps": steps,
                                   "lr": lrs[task][method]["lr"], "s_per_step": _phase_times(task, method, args),
                                   "link_mb_per_step": _link_mb(task, method, args),
                                   "loopback_s_per_step": [_loopback_step_s(r) for r in runs]}  # fmt: skip
@@ -546,7 +549,10 @@ def table(result: dict) -> str:
             mb = "–" if m.get("link_mb_per_step") is None else f"{m['link_mb_per_step']:.3f}"
             s_fp32, s_comp = m["s_per_step"]
             fin = m["final"]
-            lines.append(f"| {LABELS[method]} | {m['lr']:g} | {s_fp32:.3f}, {s_comp:.3f} | {mb} | {tt} | {seeds} | "
+            label = LABELS[method] + (
+                f", {m['run_steps']} steps" if m.get("run_steps", t["steps"]) != t["steps"] else ""
+            )
+            lines.append(f"| {label} | {m['lr']:g} | {s_fp32:.3f}, {s_comp:.3f} | {mb} | {tt} | {seeds} | "
                          f"{_num(m['at_budget'])} | {_num(statistics.median(fin))} [{_num(min(fin))}, "
                          f"{_num(max(fin))}] |")  # fmt: skip
         lines.append("")
