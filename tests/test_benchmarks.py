@@ -207,7 +207,7 @@ def _tta_files(work: Path, task: str, method: str, evals, step_s, link_bytes):
 def test_tta_report_composes_the_clock_and_finds_the_time_to_target(tmp_path):
     tta = _load("tta")
     work = tmp_path / "work"
-    lrs = {"lm": {"fp32": {"lr": 1e-3}, "birder-h": {"lr": 5e-4}, "powersgd-r4": {"lr": 1e-3}}}
+    lrs = {"lm": {"fp32": {"lr": 1e-3}, "birder-h": {"lr": 5e-4}, "powersgd-r4": {"lr": 1e-3}, "fp16": {"lr": 1e-3}}}
     (work / "tuned.json").parent.mkdir(parents=True)
     (work / "tuned.json").write_text(json.dumps(lrs))
     (work / "rates.json").write_text(json.dumps({"lm": {"rate_mbit": 40.0}}))
@@ -220,7 +220,9 @@ def test_tta_report_composes_the_clock_and_finds_the_time_to_target(tmp_path):
     _tta_files(work, "lm", "birder-h", evals["birder-h"], [0.25] * 20, 1e6)
     # 10 timed steps at 1 s (its fp32 warm-up half), then 10 at 0.5 s; 20 MB in all: 1 MB per fp32 step, 1 MB more
     _tta_files(work, "lm", "powersgd-r4", evals["powersgd-r4"], [1.0] * 10 + [0.5] * 10, 15e6)
-    argv = ["report", "--tasks", "lm", "--methods", "fp32", "birder-h", "powersgd-r4", "--seeds", "0"]
+    # a method run for twice the reference's steps (what a method cheap per step can afford in the same time)
+    _tta_files(work, "lm", "fp16", [(0, 1000.0), (20, 150.0), (40, 100.0)], [0.5] * 40, 20e6)
+    argv = ["report", "--tasks", "lm", "--methods", "fp32", "birder-h", "powersgd-r4", "fp16", "--seeds", "0"]
     argv += ["--validate", "--work", str(work), "--results", str(tmp_path / "results")]
     assert tta.main(argv) == 0
     result = json.loads((tmp_path / "results" / "tta.json").read_text())["tasks"]["lm"]
@@ -237,7 +239,11 @@ def test_tta_report_composes_the_clock_and_finds_the_time_to_target(tmp_path):
     assert m["fp32"]["at_budget"] == 1000.0 and m["birder-h"]["at_budget"] == 101.0
     assert "| Birder hierarchical | 0.0005 |" in (tmp_path / "results" / "tta_table.md").read_text()
     assert (tmp_path / "results" / "tta.png").stat().st_size > 10_000
-    assert result["steps"] == 20  # per task, from the runs (tasks differ in steps and batch)
+    assert result["steps"] == 20  # per task, from the reference's runs (tasks differ in steps and batch)
+    # fp16 ran 40 steps: its clock runs on to 20 s, it reaches the target at step 40, and its row says how many
+    assert m["fp16"]["run_steps"] == 40 and m["fp16"]["time_to_target_s"] == 20.0
+    table = (tmp_path / "results" / "tta_table.md").read_text()
+    assert "| fp16 hook, 40 steps |" in table and "| DDP fp32 |" in table and "20 steps of" in table
     # tasks are calibrated (and tuned) one invocation at a time: a second task's result keeps the first's
     tta._merge(work / "rates.json", {"qa": {"rate_mbit": 30.0}})
     assert json.loads((work / "rates.json").read_text()) == {"lm": {"rate_mbit": 40.0}, "qa": {"rate_mbit": 30.0}}
