@@ -113,7 +113,7 @@ QUALITY = [
     (
         "LM perplexity ↓",
         "1x2",
-        [("recipe_matrix_lm_lm1x2_rule_heldout.json", "adamdir")],
+        [("recipe_matrix_lm_lm1x2_rule_beta0.8_heldout.json", "rule-beta0.8")],
         [("recipe_matrix_lm_lm1x2.json", "adamw")],
         AS_FLAGS,
     ),

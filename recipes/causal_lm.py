@@ -93,6 +93,11 @@ BIRDER_PAPER_LR = 5e-4
 # "adam": the best rate grew with the workers that vote: 2e-3 of 1e-3 / 2e-3 / 4e-3 at 2 ranks, 4e-3 of 2e-3 / 4e-3 /
 # 8e-3 at 4 (seeds 0-2). Beyond 4 voters nothing was measured: the rate stays at the largest measured one.
 LR_PER_VOTER, MAX_MEASURED_VOTERS = 1e-3, 4
+# "adam" at 2 ranks under DDP: beta 0.8 of 0.9 / 0.8 on seeds 0-2 (median perplexity 196.4 against 220.9), judged on
+# seeds 3-5 (197.2 / worst 199.6 against 201.0 / 210.3; AdamW 188.2 / 228.6). At 2 x 2 (4 voters) 0.8 lost a seed of
+# 0-2 (235.4 against 188.6), and one process and HSDP were not run at 0.8: 0.9 there. docs/BENCHMARKS.md, "The opt-in
+# update rule at two ranks (LM and QA)".
+BETA_AT_TWO_RANKS = 0.8
 
 RECIPE_DEFAULTS = {
     "output_dir": "outputs/causal_lm",
@@ -164,8 +169,8 @@ class OptimizerArguments(BirderArguments, LocalStepsArguments):
         metadata={"help": "Birder only: adam (Adam's direction, clipped: the default) | birder (the paper's m / b)."},
     )
 
-    # how the default learning rate was chosen (logged; not a flag)
-    learning_rate_note: str = field(default="", init=False, repr=False)
+    # how the default learning rate (and beta) were chosen (logged; not a flag)
+    defaults_note: str = field(default="", init=False, repr=False)
 
     optimizers = ("birder", "onebitadam", "adamw")
 
@@ -220,9 +225,15 @@ def apply_rule_defaults(argv: list[str], opt_args, training_args) -> None:
     for name, value in UPDATE_RULES[opt_args.update_rule].items():
         if name not in given:
             setattr(opt_args, name, value)
+    notes = []
+    two_ranks = opt_args.sharding == "none" and voters(opt_args) == 2
+    if opt_args.update_rule == "adam" and "beta" not in given and two_ranks:
+        opt_args.beta = BETA_AT_TWO_RANKS
+        notes.append(f"beta {opt_args.beta:g}: the rule's at 2 voting ranks")
     if "learning_rate" not in given:
         training_args.learning_rate, why = rule_learning_rate(opt_args)
-        opt_args.learning_rate_note = f"learning rate {training_args.learning_rate:g}: {why}"
+        notes.append(f"learning rate {training_args.learning_rate:g}: {why}")
+    opt_args.defaults_note = "; ".join(notes)
 
 
 def build_data(model_args, data_args, training_args):
@@ -337,7 +348,7 @@ def train(model_args, data_args, opt_args, training_args):
     )
     if opt_args.optimizer == "birder":
         rule = f"beta {opt_args.beta:g}, beta2 {opt_args.beta2}, grad_clip {opt_args.grad_clip}"
-        note = opt_args.learning_rate_note or f"learning rate {training_args.learning_rate:g}: given"
+        note = opt_args.defaults_note or f"learning rate {training_args.learning_rate:g}: given"
         logger.info("update rule %s (%s); %s", opt_args.update_rule, rule, note)
     tokenizer, train_set, eval_set, data_folder = build_data(model_args, data_args, training_args)
     torch.manual_seed(training_args.seed)

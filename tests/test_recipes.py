@@ -170,19 +170,22 @@ def test_causal_lm_update_rule_supplies_only_what_the_command_line_leaves_out(mo
             recipe.apply_rule_defaults(list(argv), opt, training)
         return opt.beta, opt.beta2, opt.grad_clip, training.learning_rate
 
-    # the default: Adam's direction, clipped, at 1e-3 per voting worker (every rank under DDP, every node under HSDP)
-    assert rule() == (0.9, 0.999, 1.0, 2e-3)
+    # the default: Adam's direction, clipped, at 1e-3 per voting worker (every rank under DDP, every node under HSDP);
+    # beta 0.8 at 2 ranks under DDP, the one layout where it was chosen, 0.9 elsewhere
+    assert rule() == (0.8, 0.999, 1.0, 2e-3)
     assert rule(world=4) == (0.9, 0.999, 1.0, 4e-3)
+    assert rule(world=1, local=1) == (0.9, 0.999, 1.0, 1e-3)
+    assert rule("--sharding", "hsdp", world=4, local=2)[0] == 0.9  # 2 voting nodes: not run at 0.8
     assert rule(world=16, local=8)[-1] == 4e-3  # beyond 4 voters: the largest rate measured
     assert rule("--sharding", "hsdp", world=4, local=4)[-1] == 1e-3  # 4 ranks of one node: one voter
     assert rule("--sharding", "hsdp", world=4, local=2)[-1] == 2e-3  # 2 nodes of 2
     assert rule("--sharding", "hsdp", "--num_nodes", "2", world=4, local=4)[-1] == 2e-3  # simulated nodes
     assert rule("--update_rule", "birder", world=4) == (0.95, None, None, 5e-4)  # the paper's m / b
-    assert rule("--beta", "0.8", "--learning_rate", "1e-3") == (0.8, 0.999, 1.0, 1e-3)  # a given flag stands
+    assert rule("--beta", "0.95", "--learning_rate", "1e-3") == (0.95, 0.999, 1.0, 1e-3)  # a given flag stands
     assert rule("--update_rule=birder", "--beta=0.9") == (0.9, None, None, 5e-4)
     assert rule("--optimizer", "adamw", world=4)[-1] == 2e-3
     _, _, opt, _ = recipe.parse_args([])
-    assert opt.learning_rate_note == "learning rate 0.001: 0.001 per voting worker, 1 voting"  # what the run logs
+    assert opt.defaults_note == "learning rate 0.001: 0.001 per voting worker, 1 voting"  # what the run logs
     with pytest.raises(ValueError, match="--update_rule birder votes on m / b without clipping; drop --beta2"):
         recipe.parse_args(["--update_rule", "birder", "--grad_clip", "1.0"])
     with pytest.raises(ValueError, match="--update_rule 'sgd'; choose one of adam, birder"):
