@@ -8,8 +8,8 @@ A generated block sits between two markers; everything between them is this scri
 
 Blocks: ``standing`` (README's table), ``matrix FILE.json...`` (recipe_matrix results), ``qa_beta_heldout``,
 ``table FILE.md`` (what a benchmark wrote next to its JSON, verbatim), and the speed tables, each a pivot of one
-benchmark's JSON: ``codec``, ``codec_small``, ``collectives``, ``throughput PROFILE``, ``throughput_links`` and
-``cost_model``. Each block names the stored result behind
+benchmark's JSON: ``codec``, ``codec_small``, ``collectives``, ``throughput PROFILE``, ``throughput_links``,
+``tta_rates`` and ``cost_model``. Each block names the stored result behind
 every number, the commit it ran at (``report_commit``, when the run
 stored one) and the flags each run added to the recipe's defaults of that commit (README's rows say in words where
 those flags are today's defaults). ``tests/test_docs.py`` fails when a
@@ -391,6 +391,18 @@ def throughput_links(name: str = "throughput.json") -> str:
     return "\n".join(rows) + "\n"
 
 
+def tta_rates(name: str = "tta.json") -> str:
+    """``benchmarks/system/tta.py calibrate``: per task, the fp32 step's compute and bytes, the communication /
+    compute ratio it was set to show, and the link rate that gives it (``rates`` in the report)."""
+    rows = ["| task | fp32 compute s/step | fp32 bytes/step out of node 0 | ratio | link (Mbit/s) |"]
+    rows.append("|---|---:|---:|---:|---:|")
+    order = {"qa": 0, "image": 1, "lm": 2}  # the harness's task order
+    for task, r in sorted(_load(name)["rates"].items(), key=lambda kv: order.get(kv[0], len(order))):
+        rows.append(f"| {task} | {r['compute_s']:.3f} | {r['fp32_bytes_per_step']:,.0f} | {r['ratio']:.2f} | "
+                    f"{r['rate_mbit']:.1f} |")  # fmt: skip
+    return "\n".join(rows) + "\n"
+
+
 def cost_model(name: str = "cost_model.json") -> str:
     """``benchmarks/cost_model.py``: Birder hierarchical's predicted speed-up over fp32 DDP per nodes x 8 GPUs, at
     each model's two batches per GPU (``small / large``)."""
@@ -409,7 +421,7 @@ def cost_model(name: str = "cost_model.json") -> str:
 
 
 _RENDERERS = (standing, matrix, qa_beta_heldout, table)
-_RENDERERS += (codec, codec_small, collectives, throughput, throughput_links, cost_model)
+_RENDERERS += (codec, codec_small, collectives, throughput, throughput_links, tta_rates, cost_model)
 BLOCKS = {fn.__name__: fn for fn in _RENDERERS}  # a block's name is its function's
 
 
