@@ -120,7 +120,7 @@ QUALITY = [
     (
         "LM perplexity ↓",
         "2x2",
-        [("recipe_matrix_lm_lm2x2_rule_heldout.json", "adamdir-lr4e-3")],
+        [("recipe_matrix_lm_lm2x2_rule_beta0.85_heldout.json", "rule-beta0.85")],
         [("recipe_matrix_lm_lm2x2_rule.json", "adamw")],
         AS_FLAGS,
     ),

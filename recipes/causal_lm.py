@@ -93,11 +93,12 @@ BIRDER_PAPER_LR = 5e-4
 # "adam": the best rate grew with the workers that vote: 2e-3 of 1e-3 / 2e-3 / 4e-3 at 2 ranks, 4e-3 of 2e-3 / 4e-3 /
 # 8e-3 at 4 (seeds 0-2). Beyond 4 voters nothing was measured: the rate stays at the largest measured one.
 LR_PER_VOTER, MAX_MEASURED_VOTERS = 1e-3, 4
-# "adam" at 2 ranks under DDP: beta 0.8 of 0.9 / 0.8 on seeds 0-2 (median perplexity 196.4 against 220.9), judged on
-# seeds 3-5 (197.2 / worst 199.6 against 201.0 / 210.3; AdamW 188.2 / 228.6). At 2 x 2 (4 voters) 0.8 lost a seed of
-# 0-2 (235.4 against 188.6), and one process and HSDP were not run at 0.8: 0.9 there. docs/BENCHMARKS.md, "The opt-in
-# update rule at two ranks (LM and QA)".
-BETA_AT_TWO_RANKS = 0.8
+# "adam"'s beta under DDP by the ranks that vote, each chosen on seeds 0-2 and judged on seeds 3-5 (docs/BENCHMARKS.md,
+# "The opt-in update rule at two ranks (LM and QA)"). At 2: 0.8 of 0.9 / 0.8 (median perplexity 196.4 against 220.9;
+# held out 197.2, worst 199.6; AdamW 188.2 / 228.6). At 4 (2 x 2): 0.85 of 0.9 / 0.85 / 0.8 (148.4 / 151.7 against
+# 170.4 / 196.0; 0.8 lost a seed, 235.4; held out 145.7 / 160.2 against 161.5 / 169.7; AdamW 136.1 / 138.9).
+# 3 ranks take 2's, more than 4 take 4's; one process and HSDP (not run at these) keep the rule's 0.9.
+BETA_BY_VOTERS = {2: 0.8, 4: 0.85}
 
 RECIPE_DEFAULTS = {
     "output_dir": "outputs/causal_lm",
@@ -226,10 +227,11 @@ def apply_rule_defaults(argv: list[str], opt_args, training_args) -> None:
         if name not in given:
             setattr(opt_args, name, value)
     notes = []
-    two_ranks = opt_args.sharding == "none" and voters(opt_args) == 2
-    if opt_args.update_rule == "adam" and "beta" not in given and two_ranks:
-        opt_args.beta = BETA_AT_TWO_RANKS
-        notes.append(f"beta {opt_args.beta:g}: the rule's at 2 voting ranks")
+    n = voters(opt_args)
+    if opt_args.update_rule == "adam" and "beta" not in given and opt_args.sharding == "none" and n >= 2:
+        chosen_at = max(k for k in BETA_BY_VOTERS if k <= n)
+        opt_args.beta = BETA_BY_VOTERS[chosen_at]
+        notes.append(f"beta {opt_args.beta:g}: the rule's at {chosen_at} voting ranks, {n} voting")
     if "learning_rate" not in given:
         training_args.learning_rate, why = rule_learning_rate(opt_args)
         notes.append(f"learning rate {training_args.learning_rate:g}: {why}")
