@@ -232,9 +232,10 @@ def apply_rule_defaults(argv: list[str], opt_args, training_args) -> None:
         chosen_at = max(k for k in BETA_BY_VOTERS if k <= n)
         opt_args.beta = BETA_BY_VOTERS[chosen_at]
         notes.append(f"beta {opt_args.beta:g}: the rule's at {chosen_at} voting ranks, {n} voting")
+    why = "given"
     if "learning_rate" not in given:
         training_args.learning_rate, why = rule_learning_rate(opt_args)
-        notes.append(f"learning rate {training_args.learning_rate:g}: {why}")
+    notes.append(f"learning rate {training_args.learning_rate:g}: {why}")
     opt_args.defaults_note = "; ".join(notes)
 
 
@@ -350,8 +351,7 @@ def train(model_args, data_args, opt_args, training_args):
     )
     if opt_args.optimizer == "birder":
         rule = f"beta {opt_args.beta:g}, beta2 {opt_args.beta2}, grad_clip {opt_args.grad_clip}"
-        note = opt_args.defaults_note or f"learning rate {training_args.learning_rate:g}: given"
-        logger.info("update rule %s (%s); %s", opt_args.update_rule, rule, note)
+        logger.info("update rule %s (%s); %s", opt_args.update_rule, rule, opt_args.defaults_note)
     tokenizer, train_set, eval_set, data_folder = build_data(model_args, data_args, training_args)
     torch.manual_seed(training_args.seed)
     model = build_model(model_args, data_args, tokenizer)

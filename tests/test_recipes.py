@@ -187,6 +187,13 @@ def test_causal_lm_update_rule_supplies_only_what_the_command_line_leaves_out(mo
     assert rule("--optimizer", "adamw", world=4)[-1] == 2e-3
     _, _, opt, _ = recipe.parse_args([])
     assert opt.defaults_note == "learning rate 0.001: 0.001 per voting worker, 1 voting"  # what the run logs
+    # a given rate is logged as given, beside the rule's beta
+    _, _, opt, training = recipe.parse_args(["--learning_rate", "3e-3"])
+    with monkeypatch.context() as env:
+        env.setenv("WORLD_SIZE", "4")
+        env.setenv("LOCAL_WORLD_SIZE", "2")
+        recipe.apply_rule_defaults(["--learning_rate", "3e-3"], opt, training)
+    assert opt.defaults_note == "beta 0.85: the rule's at 4 voting ranks, 4 voting; learning rate 0.003: given"
     with pytest.raises(ValueError, match="--update_rule birder votes on m / b without clipping; drop --beta2"):
         recipe.parse_args(["--update_rule", "birder", "--grad_clip", "1.0"])
     with pytest.raises(ValueError, match="--update_rule 'sgd'; choose one of adam, birder"):
