@@ -344,14 +344,20 @@ THROUGHPUT_OTHERS = {"fp16": "fp16", "powersgd": "PowerSGD", "birder-allgather":
                      "birder-scatter_gather": "Birder scatter_gather", "onebitadam": "1-bit Adam"}  # fmt: skip
 
 
+def _link(run: dict, profile: str) -> tuple[float, bool]:
+    """A throughput run's link profile: its measured rate (Mbit/s, the mean of both directions) and whether the
+    testbed shaped it."""
+    link = run["profiles"][profile]
+    return statistics.mean(link["bandwidth_mbit"].values()), link["testbed"]["rate_mbit"] is not None
+
+
 def throughput(profile: str, name: str = "throughput.json") -> str:
     """``benchmarks/system/throughput.py``'s steps on one link profile: fp32 DDP's step, Birder hierarchical's, its
     speed-up (samples/s over fp32's), the bound (fp32's step over the no-communication reference's), the share of
     that bound Birder reached, and the other methods' speed-ups."""
     run = _load(name)
-    link = run["profiles"][profile]
-    rate = statistics.mean(link["bandwidth_mbit"].values())
-    title = f"{profile} ({rate:.0f} Mbit/s)" if link["testbed"]["rate_mbit"] else f"{profile} (unshaped)"
+    rate, shaped = _link(run, profile)
+    title = f"{profile} ({rate:.0f} Mbit/s)" if shaped else f"{profile} (unshaped)"
     others = " | ".join(THROUGHPUT_OTHERS.values())
     rows = [f"| {title} | batch/proc | fp32 s/step | Birder hier. | × fp32 | bound | share | {others} |",
             "|---|" + "---:|" * (6 + len(THROUGHPUT_OTHERS))]  # fmt: skip
@@ -381,10 +387,8 @@ def throughput_links(name: str = "throughput.json") -> str:
     sizes = {m: " / ".join(map(str, sorted(set(b)))) for m, b in batches.items()}
     head = " | ".join(f"{THROUGHPUT_MODELS[m].split(' (')[0]}, {sizes[m]} {units[m]} per process" for m in batches)
     rows = [f"| link | {head} |", "|---|" + "---|" * len(batches)]
-    for profile in sorted(run["profiles"], key=lambda p: run["profiles"][p]["testbed"]["rate_mbit"] is None):
-        link = run["profiles"][profile]
-        rate = statistics.mean(link["bandwidth_mbit"].values())
-        shaped = link["testbed"]["rate_mbit"]
+    for profile in sorted(run["profiles"], key=lambda p: not _link(run, p)[1]):  # the shaped link first
+        rate, shaped = _link(run, profile)
         words = f"{rate:.0f} Mbit/s (shaped)" if shaped else f"unshaped (~{rate / 1000:.0f} Gbit/s)"
         cells = [" / ".join(f"{got[profile, m, b]:.2f}×" for b in sorted(set(bs))) for m, bs in batches.items()]
         rows.append(f"| {words} | " + " | ".join(cells) + " |")
