@@ -9,7 +9,7 @@ A generated block sits between two markers; everything between them is this scri
 Blocks: ``standing`` (README's table), ``matrix FILE.json...`` (recipe_matrix results), ``qa_beta_heldout``,
 ``table FILE.md`` (what a benchmark wrote next to its JSON, verbatim), one per kind of quality run or check
 (``simulate_quality FILE.json``, ``update_rule_ablation FILE.json [VARIANT...]...``, ``tta_stale``,
-``convergence_lr``, ``checkpoint_checksum``, ``zero_grad_rows``, ``stale_drift STEP...``,
+``convergence_lr``, ``lr_choices``, ``checkpoint_checksum``, ``zero_grad_rows``, ``stale_drift STEP...``,
 ``elastic_restart FILE.json...``, ``agreement``), and the speed tables, each a pivot of one benchmark's JSON:
 ``codec``, ``codec_small``, ``collectives``, ``throughput PROFILE``, ``throughput_links``, ``tta_rates`` and
 ``cost_model``. Each block names the stored result behind
@@ -400,6 +400,108 @@ def convergence_lr(checks: str = "convergence_lr_checks.json", main: str = "conv
     return "\n".join(rows) + f"\n\nStored in {_cite(checks)} and {_cite(main)} (seed 0 of the main runs).\n"
 
 
+def _rate(lr: float) -> str:
+    """A learning rate as the docs write it: ``_lr``'s ``5e-4`` below 0.01, ``0.1`` from there (SGD's rates)."""
+    return _lr(lr) if lr < 0.01 else f"{lr:g}"
+
+
+def _cites(*names: str) -> list[str]:
+    """``_cite`` of each stored result, with the commit it ran at where it stored one."""
+    results = (_load(name) for name in names)
+    return [_cite(name, r.get("report_commit") or r.get("commit")) for name, r in zip(names, results)]
+
+
+# what each reader below gives: a rate, a grid (rate -> metric; may be empty) and the citations of its stored runs
+Rates = tuple[float, dict[float, float], list[str]]
+
+
+def _tuned(name: str, task: str, method: str) -> Rates:
+    """``benchmarks/system/tta.py tune``: one task's and method's rate (the best of its grid on seed 0) and the
+    grid's final metric per rate (none where the method shared another's grid)."""
+    tuned = _load(name)["tuned"][task][method]
+    grid = tuned["grid"] if isinstance(tuned["grid"], dict) else {}
+    return tuned["lr"], {float(lr): v for lr, v in grid.items()}, _cites(name)
+
+
+def _protocol(name: str, method: str) -> Rates:
+    """``benchmarks/lr_protocol.py``: the rate one method chose by the median of its tuning seeds, and that median
+    per rate of its grid."""
+    m = _load(name)["methods"][method]
+    return m["chosen"], {float(lr): t["median"] for lr, t in m["tuning"].items()}, _cites(name)
+
+
+def _convergence(task: str, method: str) -> Rates:
+    """``benchmarks/convergence.py``: the rate of the main runs, and seed 0's final metric per rate, from the
+    learning-rate checks and the main runs (as the ``convergence_lr`` block)."""
+    checks, main = "convergence_lr_checks.json", "convergence_results.json"
+    grid, chosen = {}, None
+    for result in [*_load(checks)["checks"].values(), _load(main)]:
+        for run in result["runs"]:
+            if (run["task"], run["method"], run["seed"]) == (task, method, 0):
+                args = dict(zip(run["args"][::2], run["args"][1::2]))
+                lr = float(args.get("--learning_rate", args.get("--lr")))
+                grid[lr] = run["final"][result["summary"][task]["metric"]]
+                chosen = lr  # the main runs come last
+    return chosen, grid, _cites(checks, main)
+
+
+def _hsdp(optimizer: str, *names: str) -> Rates:
+    """``benchmarks/hsdp_convergence.py``'s checks, one file per Birder rate: for ``"birder"`` the rate of the lowest
+    final validation loss and the loss per rate; for ``"adamw"`` the rate the runs set for AdamW."""
+    runs = [_load(name) for name in names]
+    if optimizer == "adamw":
+        (lr,) = {r["settings"]["adamw_lr"] for r in runs}
+        return lr, {}, _cites(*names)
+    grid = {r["settings"]["birder_lr"]: r["summary"]["hsdp-birder"]["final_eval_loss"]["mean"] for r in runs}
+    return min(grid, key=grid.get), grid, _cites(*names)
+
+
+# GUIDE's learning-rate rows: (the task's words, where {cite} names the stored runs; the metric; its decimals;
+# AdamW's (or SGDM's) source and words, where {lr} is its rate and {lo} / {hi} its grid's ends; Birder's
+# [(label or None, source)]). A source is a reader above and its arguments.
+HSDP_LR = [f"hsdp_lr_check_birder_{lr}.json" for lr in ("2e-4", "5e-4", "2e-3")]
+LR_CHOICES = [
+    ("QA, tiny BERT, time to accuracy ({cite}, `tuned`: paper's update, seed 0)", "F1", 2,
+     ((_tuned, "tta.json", "qa", "fp32"), "{lr}"), [(None, (_tuned, "tta.json", "qa", "birder-h"))]),
+    ("QA, the same task, held-out protocol ({cite}: medians of seeds 0-2)", "F1", 1,
+     ((_protocol, "lr_protocol_qa.json", "AdamW"), "{lr}"),
+     [("`fade`", (_protocol, "lr_protocol_qa.json", "Birder, fade (default)")),
+      ("`keep`", (_protocol, "lr_protocol_qa.json", "Birder, paper's update (keep)"))]),
+    ("causal LM, tiny GPT-2, time to accuracy ({cite})", "perplexity", 1,
+     ((_tuned, "tta.json", "lm", "fp32"), "{lr}"), [(None, (_tuned, "tta.json", "lm", "birder-h"))]),
+    ("causal LM, the same task, held-out protocol, 20% warm-up ({cite}: medians of seeds 0-2)", "perplexity", 1,
+     ((_protocol, "lr_protocol_lm_tta.json", "AdamW, warm-up 20%"), "{lr} (of {lo} to {hi})"),
+     [(None, (_protocol, "lr_protocol_lm_tta.json", "Birder, fade (default), warm-up 20%"))]),
+    ("BERT QA convergence ({cite})", "F1", 1,
+     ((_convergence, "bert", "adamw"), "{lr} (the recipe's)"), [(None, (_convergence, "bert", "birder-h"))]),
+    ("causal LM, 1-bit HSDP ({cite})", "validation loss", 2,
+     ((_hsdp, "adamw", *HSDP_LR), "{lr} (the recipe's)"), [(None, (_hsdp, "birder", *HSDP_LR))]),
+    ("image, ResNet-18 on digits, time to accuracy ({cite})", "top-1", 2,
+     ((_tuned, "tta.json", "image", "fp32"), "SGDM {lr}"), [(None, (_tuned, "tta.json", "image", "birder-h"))]),
+]  # fmt: skip
+
+
+def lr_choices() -> str:
+    """GUIDE's learning rates, relative to AdamW's: per task, the rate AdamW (or SGDM) and Birder ran at, and
+    Birder's grid with each rate's metric, read from the stored runs each row cites (``LR_CHOICES``)."""
+    rows = ["| task (stored run) | AdamW (or SGDM) | Birder | Birder's grid, metric |", "|---|---|---|---|"]
+    for words, metric, digits, ((read, *args), adamw_words), birder in LR_CHOICES:
+        lr, grid, cites = read(*args)
+        ends = {"lo": _rate(min(grid, default=lr)), "hi": _rate(max(grid, default=lr))}
+        adamw = adamw_words.format(lr=_rate(lr), **ends)
+        chosen, grids = [], []
+        for label, (read, *args) in birder:
+            lr, grid, more = read(*args)
+            cites += [c for c in more if c not in cites]
+            chosen.append(_rate(lr) + (f" ({label})" if label else ""))
+            lrs = sorted(grid)
+            values = " / ".join(f"{grid[x]:.{digits}f}" for x in lrs)
+            named = f"{metric} " if not grids else ""  # the metric's name once per cell
+            grids.append(f"{label + ' ' if label else ''}{' / '.join(map(_rate, lrs))}: {named}{values}")
+        rows.append(f"| {words.format(cite=', '.join(cites))} | {adamw} | {', '.join(chosen)} | {'; '.join(grids)} |")
+    return "\n".join(rows) + "\n"
+
+
 CHECKPOINT_STEPS = {  # checkpoint_checksum.json's timed steps, in the table's words
     "save (save_pretrained + save_rank_state)": "save: `save_pretrained` + `save_rank_state` (fsynced)",
     "mark, sizes only (before)": "completion marker, sizes only (before)",
@@ -646,8 +748,8 @@ def cost_model(name: str = "cost_model.json") -> str:
 
 
 _RENDERERS = (standing, matrix, qa_beta_heldout, table, simulate_quality, update_rule_ablation, tta_stale)
-_RENDERERS += (convergence_lr, checkpoint_checksum, zero_grad_rows, stale_drift, elastic_restart, agreement)
-_RENDERERS += (codec, codec_small, collectives, throughput, throughput_links, tta_rates, cost_model)
+_RENDERERS += (convergence_lr, lr_choices, checkpoint_checksum, zero_grad_rows, stale_drift, elastic_restart)
+_RENDERERS += (agreement, codec, codec_small, collectives, throughput, throughput_links, tta_rates, cost_model)
 BLOCKS = {fn.__name__: fn for fn in _RENDERERS}  # a block's name is its function's
 
 
