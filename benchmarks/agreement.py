@@ -20,6 +20,7 @@ import multiprocessing as mp
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 
@@ -27,6 +28,9 @@ import torch
 import torch.distributed as dist
 
 from birder_hf import Topology, collectives, onebit_all_reduce
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/provenance.py
+from provenance import provenance  # noqa: E402
 
 
 def _rank(rank: int, world: int, init: str, numel: int, calls: int, lookups: int, queue) -> None:
@@ -114,7 +118,7 @@ def main(argv=None):
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--out", default=None, help="write the JSON result here")
     args = parser.parse_args(argv)
-    result = run(args.numel, args.calls)
+    result = {**run(args.numel, args.calls), **provenance(__file__, argv)}
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

@@ -25,11 +25,15 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/provenance.py
+from provenance import provenance  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,7 +89,7 @@ def main(argv=None) -> dict:
 
     total = sum(files.values())
     result = {
-        "command": "python benchmarks/checkpoint_checksum.py",
+        **provenance(__file__, argv),
         "model": "BertForQuestionAnswering(BertConfig()), BERT-Base",
         "parameters": sum(p.numel() for p in params),
         "files_bytes": files,

@@ -14,11 +14,15 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 
 import torch
 
 from birder_hf import quantize as Q
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/provenance.py
+from provenance import provenance  # noqa: E402
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -109,13 +113,13 @@ def main(argv=None):
         res = small(args.repeats, args.threads)
         for n, row in res["us_per_call"].items():
             print(f"{n:>8} " + "  ".join(f"{k} {v:.1f} us" for k, v in row.items()))
-        _write(res, args.out)
+        _write({**res, **provenance(__file__, argv)}, args.out)
         return res
     res = run(args.numel, args.repeats, args.threads, compile_codec=not args.eager)
     print(f"{'kernel':<24}{'ms':>10}{'x copy':>10}")
     for k in res["ms"]:
         print(f"{k:<24}{res['ms'][k]:>10.2f}{res['ratio_vs_copy'][k]:>10.2f}")
-    _write(res, args.out)
+    _write({**res, **provenance(__file__, argv)}, args.out)
     return res
 
 

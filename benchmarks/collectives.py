@@ -41,6 +41,9 @@ from birder_hf.collectives import (  # noqa: E402
 from birder_hf.quantize import STAGE_WORKER, BitKeys, antithetic  # noqa: E402
 from birder_hf.topology import Topology  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/provenance.py
+from provenance import provenance  # noqa: E402
+
 
 def _cases(world: int):
     cases = [("fp32 all_reduce", None, None, None), ("allgather", None, "allgather", "allgather")]
@@ -202,6 +205,7 @@ def main(argv=None):
         },
         "rows": rows,
         "codec_quantize_pack_ms": round(codec_ms, 2),
+        **provenance(__file__, argv),
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

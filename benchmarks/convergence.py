@@ -38,6 +38,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/provenance.py
+from provenance import provenance  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ROOT / "recipes"
 
@@ -333,8 +336,9 @@ def plot(records: list[dict], summary: dict, results_dir: Path) -> list[Path]:
     return paths
 
 
-def run_benchmark(cfg: Config, work_dir: Path, results_dir: Path | None, plot_only: bool = False) -> dict:
-    """Run (or resume) every run of ``cfg``, then write the JSON, table and plots into ``results_dir``."""
+def run_benchmark(cfg: Config, work_dir: Path, results_dir: Path | None, plot_only: bool = False, argv=None) -> dict:
+    """Run (or resume) every run of ``cfg``, then write the JSON, table and plots into ``results_dir`` (``argv``: the
+    command line's arguments, recorded)."""
     runs = plan_runs(cfg)
     records, failures = [], []
     start = time.time()
@@ -362,6 +366,7 @@ def run_benchmark(cfg: Config, work_dir: Path, results_dir: Path | None, plot_on
         )
     summary = summarize(records)
     result = {"config": asdict(cfg), "summary": summary, "runs": records, "failed": failures}
+    result.update(provenance(__file__, argv))
     if results_dir is not None:
         results_dir = Path(results_dir)
         results_dir.mkdir(parents=True, exist_ok=True)
@@ -419,7 +424,7 @@ def main(argv=None) -> dict:
     cfg, a = parse_args(argv)
     if cfg.nproc % cfg.num_nodes:
         raise ValueError(f"--num_nodes {cfg.num_nodes} must divide --nproc {cfg.nproc}.")
-    return run_benchmark(cfg, a.work_dir, a.results_dir, plot_only=a.plot_only)
+    return run_benchmark(cfg, a.work_dir, a.results_dir, plot_only=a.plot_only, argv=argv)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,8 @@ import sys
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(_HERE))  # benchmarks/provenance.py
+from provenance import provenance  # noqa: E402
 
 NUMEL = {"bert": 108_893_186, "resnet50": 25_557_032}  # BertForQuestionAnswering(BertConfig()), timm resnet50
 # A100 80GB (DGX A100), one GPU, samples/s. ResNet-50 v1.5: NVIDIA DeepLearningExamples, PyTorch, pytorch-21.03
@@ -368,7 +370,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="docs/results/cost_model.json")
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
-    result = run(args.precision, Path(args.results))
+    result = {**run(args.precision, Path(args.results)), **provenance(__file__, argv)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

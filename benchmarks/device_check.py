@@ -48,6 +48,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from birder_hf import Birder, BirderHookState, birder_hook
 from birder_hf import quantize as Q
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/provenance.py
+from provenance import provenance  # noqa: E402
+
 SCHEMA = 1
 SECTIONS = ("codec", "hook", "memory")
 MODELS = ("bert", "resnet50")
@@ -450,7 +453,7 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {
         "schema": SCHEMA,
-        "command": "python benchmarks/device_check.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        **provenance(__file__, argv),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "tiny": args.tiny,
         "device": environment(args.device),

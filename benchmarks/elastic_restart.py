@@ -39,6 +39,9 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/provenance.py
+from provenance import provenance  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -130,7 +133,7 @@ def main(argv=None):
     if not args.save_steps <= args.kill_step < min(2 * args.save_steps, args.max_steps):
         parser.error("--kill_step must fall after the first checkpoint and before the second")
     result = {
-        "command": "python " + " ".join(["benchmarks/elastic_restart.py", *(sys.argv[1:] if argv is None else argv)]),
+        **provenance(__file__, argv),
         "recipe": "recipes/bert_base.py",
         "model_config": args.model_config,
         "nproc": args.nproc,

@@ -24,6 +24,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/provenance.py
+from provenance import provenance  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -94,7 +97,7 @@ def main(argv=None) -> None:
     import torch
 
     result = {
-        "command": "python benchmarks/exit_under_load.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        **provenance(__file__, argv),
         "what": "README DDP snippet, torchrun --standalone --nproc_per_node 2 (gloo), two busy loops on the cores",
         "ref": args.ref,
         "torch": torch.__version__,

@@ -29,6 +29,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/provenance.py
+from provenance import provenance  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 
 METHODS = {  # method -> (label, colour, recipe arguments)
@@ -221,6 +224,7 @@ def main(argv=None) -> dict:
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()},
         "summary": summarize(records),
         "runs": records,
+        **provenance(__file__, argv),
     }
     if cfg.results_dir is not None and records:
         cfg.results_dir.mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import simulate_quality as sq  # noqa: E402
+from provenance import provenance  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks" / "system"))
 import tta  # noqa: E402
@@ -241,12 +242,15 @@ def main(argv=None) -> int:
     label = args.label or args.method + ("" if args.options == "{}" else " " + args.options)
     args.results.mkdir(parents=True, exist_ok=True)
     store = json.loads(out.read_text()) if out.exists() else {"task": args.task, "target": sq.tta_target(args.task)}
+    prov = provenance(__file__, argv)  # the row's run; the file's top level: its last run's
     store.setdefault("methods", {})[label] = {"method": args.method, "options": json.loads(args.options),
                                              "steps": steps, "warmup": sq._warmup(args),
-                                             "grid": [] if rate is not None else args.grid, **res}  # fmt: skip
+                                             "grid": [] if rate is not None else args.grid, **res,
+                                             **prov}  # fmt: skip
     if rate is not None:
         store["methods"][label]["rate_from"] = args.rate_from
     store["protocol"] = f"tune on seeds {list(TUNE)} by the median final, evaluate on held-out seeds {list(HELD_OUT)}"
+    store.update(prov)
     out.write_text(json.dumps(store, indent=1) + "\n")
     h = res.get("held_out")
     if h:

@@ -27,7 +27,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/provenance.py
+from provenance import provenance  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("ddp-birder", "hsdp-birder", "hsdp-adamw")
@@ -126,7 +130,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     # recipes/causal_lm.py's default: MODEL_CONFIGS["tiny"], --vocab_size 4096, --block_size 128, 2 nodes x 2
     recipe = dict(n_embd=128, n_layer=4, n_head=4, vocab_size=4096, n_positions=128)
-    result = build(recipe, (2, 2), (4, 8))
+    result = {**build(recipe, (2, 2), (4, 8)), **provenance(__file__, argv)}
     args.results_dir.mkdir(parents=True, exist_ok=True)
     (args.results_dir / "memory.json").write_text(json.dumps(result, indent=1) + "\n")
     small = [r for r in result["rows"] if r["model"].startswith("recipe")]

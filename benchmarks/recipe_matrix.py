@@ -29,6 +29,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/provenance.py
+from provenance import provenance  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = {  # recipe, metric in all_results.json, higher is better
     "qa": ("bert_base.py", "eval_f1", True),
@@ -154,9 +157,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     configs = dict(parse_config(c) for c in args.configs)
     recipe, metric, higher = TASKS[args.task]
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     res = {"task": args.task, "recipe": f"recipes/{recipe}", "metric": metric, "higher_is_better": higher,
-           "report_commit": commit, "seeds": args.seeds, "configs": configs, "cells": {}}  # fmt: skip
+           **provenance(__file__, argv), "seeds": args.seeds, "configs": configs, "cells": {}}  # fmt: skip
     for layout in args.layouts:
         row = res["cells"].setdefault(layout, {})
         for name, extra in configs.items():

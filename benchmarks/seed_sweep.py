@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import lr_protocol  # noqa: E402
 import simulate_quality as sq  # noqa: E402
+from provenance import provenance  # noqa: E402
 
 
 def _seeds(spec: str) -> list[int]:
@@ -126,7 +127,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steptime", type=Path, default=None, help="as lr_protocol.py --report --steptime")
     args = ap.parse_args(argv)
     res = sweep(args.task, _seeds(args.seeds), args.work, args.results, args.tag, args.steptime)
-    print(report(res | {"tag": args.tag}, args.results))
+    print(report(res | {"tag": args.tag} | provenance(__file__, argv), args.results))
     return 0
 
 

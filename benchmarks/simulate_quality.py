@@ -32,13 +32,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "benchmarks" / "system"))
 
+from provenance import provenance  # noqa: E402
 from simulate_workers import SimulatedWorkers  # noqa: E402
 
 PRIMARY = {"qa": ("f1", True), "image": ("top1", True), "lm": ("perplexity", False)}
 GLOBAL_BATCH = {"qa": 32, "image": 32, "lm": 16}  # the protocol's: 4 ranks x 8 (qa, image) or x 4 (lm)
 WARMUP = 0.05  # the protocol's linear warm-up, as a fraction of the steps
-LR = {"birder": {"qa": 4e-3, "image": 2e-3, "lm": 1e-3}, "adamw": {"qa": 2e-3, "lm": 5e-4},
-      "sgdm": {"image": 0.1}}  # docs/results/tta.json
+LR = {
+    "birder": {"qa": 4e-3, "image": 2e-3, "lm": 1e-3},
+    "adamw": {"qa": 2e-3, "lm": 5e-4},
+    "sgdm": {"image": 0.1},
+}  # docs/results/tta.json
 BASELINES = {"adamw": "AdamW", "sgdm": "SGDM"}  # one process, the whole global batch (DDP fp32's optimizer)
 
 
@@ -174,7 +178,7 @@ def tta_target(task: str) -> float:
     return json.loads((ROOT / "docs" / "results" / "tta.json").read_text())["tasks"][task]["target"]
 
 
-def report(args) -> dict:
+def report(args, argv=None) -> dict:
     """Per worker count: final metric and first step at the target, median and worst seed; a table and a figure."""
     key, higher = PRIMARY[args.task]
     target, gb = tta_target(args.task), _global_batch(args, args.task)
@@ -203,6 +207,7 @@ def report(args) -> dict:
     args.results.mkdir(parents=True, exist_ok=True)
     name = f"simulate_quality_{args.task}" + (f"_gb{gb}" if gb != GLOBAL_BATCH[args.task] else "") + args.tag
     _write_table_and_figure(res, args.results / name, args)
+    res.update(provenance(__file__, argv))
     (args.results / f"{name}.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
     for w, r in res["runs"].items():
         print(f"{w}: median {r['median']:.2f}, worst {r['worst']:.2f}, per seed {r['final']}")
@@ -275,8 +280,12 @@ def main(argv=None) -> int:
                     help="KxL nodes x ranks, or adamw / sgdm")  # fmt: skip
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--global-batch", type=int, default=None,
-                    help="samples per step over all workers (default: the task's, GLOBAL_BATCH; 64 allows n = 64)")
+    ap.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="samples per step over all workers (default: the task's, GLOBAL_BATCH; 64 allows n = 64)",
+    )
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the task's tuned one, LR)")
     ap.add_argument("--warmup", type=float, default=None, help=f"warm-up fraction of the steps (default {WARMUP})")
     ap.add_argument("--options", default="{}", help='Birder keyword arguments as JSON, e.g. \'{"stale": "keep"}\'')
@@ -288,7 +297,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     if args.report:
-        report(args)
+        report(args, argv)
         return 0
     args.work.mkdir(parents=True, exist_ok=True)
     for seed in args.seeds:

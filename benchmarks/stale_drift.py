@@ -25,6 +25,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks" / "system"))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # provenance.py
+
+from provenance import provenance  # noqa: E402
 
 from birder_hf import Birder, Topology, attach_ddp_hook  # noqa: E402
 
@@ -141,14 +144,18 @@ def zeros(tasks, steps: int, work: Path) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tasks", nargs="*", default=["qa", "lm", "image"],
-                    help="tasks whose zero-gradient share to measure (none: keep the shares stored in --out)")
+    ap.add_argument(
+        "--tasks",
+        nargs="*",
+        default=["qa", "lm", "image"],
+        help="tasks whose zero-gradient share to measure (none: keep the shares stored in --out)",
+    )
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--work", type=Path, default=ROOT / "outputs" / "tta_stale" / "data")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    result = {"command": "python benchmarks/stale_drift.py " + " ".join(argv or sys.argv[1:]), "lr": LR,
+    result = {**provenance(__file__, argv), "lr": LR,
               "gradient_at_step_1": G0, "drift_in_lr": drift()}  # fmt: skip
     print(json.dumps(result["drift_in_lr"], indent=1), flush=True)
     if args.tasks:

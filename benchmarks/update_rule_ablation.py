@@ -36,6 +36,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/provenance.py
+from provenance import provenance  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {"birder": "5e-4", "adam": "2e-3", "adam-bounded": "2e-3", "birder-clip": "5e-4", "adam-clip": "2e-3",
             "adam-bounded-clip": "2e-3", "adam-bounded-b2_0.99": "2e-3", "adam-bounded-b2_0.95": "2e-3",
@@ -130,9 +133,8 @@ def main(argv=None) -> dict:
     if args._child:
         _run_recipe(args._child[0], args._child[1:])
         return {}
-    command = "python benchmarks/update_rule_ablation.py --seeds " + " ".join(map(str, args.seeds))
-    command += f" --variants {' '.join(args.variants)}" + (f" --tag {args.tag}" if args.tag else "")
-    res = {"command": command,
+    prov = provenance(__file__, argv)  # this file's key for the commit is "commit"
+    res = {"command": prov["command"],
            "metric": "eval_perplexity", "seeds": args.seeds, "cells": {}}  # fmt: skip
     for variant in args.variants:
         finals = {}
@@ -148,6 +150,7 @@ def main(argv=None) -> dict:
         values = list(finals.values())
         res["cells"][variant] = {"lr": float(VARIANTS[variant]), "final": finals, "median": statistics.median(values),
                                  "worst": max(values)}  # fmt: skip
+    res["commit"], res["dirty"] = prov["report_commit"], prov["dirty"]
     args.results.mkdir(parents=True, exist_ok=True)
     stem = args.results / f"update_rule_ablation_lm{args.tag}"
     Path(f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
@@ -156,9 +159,6 @@ def main(argv=None) -> dict:
              "|---|---|---:|---:|", *rows]  # fmt: skip
     Path(f"{stem}.md").write_text("\n".join(table) + "\n")
     print("\n".join(table))
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    res["commit"] = commit
-    Path(f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
     return res
 
 

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "benchmarks" / "system"))
 
+from provenance import provenance  # noqa: E402
 from simulate_quality import one_process_group, worker_grads  # noqa: E402
 from simulate_workers import SimulatedWorkers  # noqa: E402
 
@@ -65,7 +66,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "vote_strength_qa.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    res = {"command": " ".join(["python benchmarks/vote_strength.py", *(argv if argv is not None else sys.argv[1:])]),
+    res = {**provenance(__file__, argv),
            "global_batch": args.global_batch, "lr": args.lr, "seed": args.seed, "runs": {}}  # fmt: skip
     for workers in args.workers:
         n = math.prod(map(int, workers.split("x")))

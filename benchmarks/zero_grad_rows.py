@@ -28,6 +28,9 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/provenance.py
+from provenance import provenance  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEFORE_REF = "a9b33d12295b6527972e479418721d4018d75b39"  # main, the last commit with independent draws per rank
 WORD_EMBEDDINGS = "bert.embeddings.word_embeddings.weight"
@@ -133,7 +136,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     results = {
-        "command": "python benchmarks/zero_grad_rows.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        **provenance(__file__, argv),
         "recipe": "recipes/bert_base.py (tiny BERT, embedded data, --weight_decay 0, linear decay from lr to 0)",
         "nproc": args.nproc,
         "num_nodes": args.num_nodes,

@@ -13,9 +13,10 @@ Blocks: ``standing`` (README's table), ``matrix FILE.json...`` (recipe_matrix re
 ``elastic_restart FILE.json...``, ``agreement``), and the speed tables, each a pivot of one benchmark's JSON:
 ``codec``, ``codec_small``, ``collectives``, ``throughput PROFILE``, ``throughput_links``, ``tta_rates`` and
 ``cost_model``. Each block names the stored result behind
-every number, the commit it ran at (``report_commit`` or ``commit``, when the run
-stored one) and the flags each run added to the recipe's defaults of that commit (README's rows say in words where
-those flags are today's defaults). ``tests/test_docs.py`` fails when a
+every number, the commit it ran at ("at `abc1234`": ``report_commit`` or ``commit``, when the run stored one; else
+"stored at `abc1234`": ``stored_at_commit``, the last commit that wrote a file whose run recorded none, so the run was
+at or before it) and the flags each run added to the recipe's defaults of that commit (README's rows say in words
+where those flags are today's defaults). ``tests/test_docs.py`` fails when a
 block is not what this script writes, so after storing a new result (or changing a block here) run:
 
     python docs/gen_results.py            # rewrites the blocks in place
@@ -46,9 +47,20 @@ def _load(name: str) -> dict:
     return json.loads((RESULTS / name).read_text(encoding="utf-8"))
 
 
-def _cite(name: str, commit: str | None = None) -> str:
-    at = f" at `{commit[:7]}`" if commit else ""
+def _cite(name: str, commit: str | None = None, stored: bool = False) -> str:
+    """A link to a stored result and its commit: the run's (``at``), or the one that stored it (``stored at``)."""
+    at = f" {'stored ' if stored else ''}at `{commit[:7]}`" if commit else ""
     return f"[{name}]({LINK}{name}){at}"  # render() makes the link relative to the document
+
+
+def _cite_result(name: str, result: dict | None = None) -> str:
+    """``_cite`` of a stored result with the commit its file holds (``result``: the file, loaded): the one its run
+    recorded (``report_commit``, ``commit``), else the last commit that stored the file (``stored_at_commit``)."""
+    if result is None:
+        result = _load(name) if name.endswith(".json") else {}
+    result = result if isinstance(result, dict) else {}
+    ran = result.get("report_commit") or result.get("commit")
+    return _cite(name, ran) if ran else _cite(name, result.get("stored_at_commit"), stored=True)
 
 
 # ------------------------------------------------------------------------------------ quality: the recipes' matrix
@@ -69,7 +81,7 @@ def _pool(sources: list[tuple[str, str]], layout: str) -> tuple[dict[int, float]
                 raise ValueError(f"seed {seed} of {config} at {layout} is in two sources")
             finals[int(seed)] = value
         higher.add(result["higher_is_better"])
-        cites.append(_cite(name, result.get("report_commit")))
+        cites.append(_cite_result(name, result))
     (higher,) = higher
     return finals, higher, cites
 
@@ -158,7 +170,7 @@ def standing() -> str:
     rows.append(
         f"| BERT-Base step speed-up over fp32 DDP, {batch} sequences per process, {mbit:.0f} Mbit/s link, "
         f"{result['config']['rounds']} rounds | 2 × 1 | {ratio['birder-hierarchical']:.2f}× | "
-        f"PowerSGD rank 4 {ratio['powersgd']:.2f}× | {_cite(name)} |"
+        f"PowerSGD rank 4 {ratio['powersgd']:.2f}× | {_cite_result(name, result)} |"
     )
     # local steps: time to each task's target where the link is the bottleneck (LM: its own settings, BENCHMARKS)
     labels = {"powersgd-r1": "PowerSGD rank 1", "powersgd-r4": "PowerSGD rank 4", "fp16": "fp16", "fp32": "fp32 DDP"}
@@ -171,7 +183,7 @@ def standing() -> str:
         reached = {m: v["time_to_target_s"] for m, v in t["methods"].items() if v["time_to_target_s"] is not None}
         per_step = min((m for m in reached if not m.startswith("local")), key=reached.get)
         cells.append((f"{task.upper()} ({metric} {t['target']:.1f})", f"{reached['local10']:.0f} s",
-                      f"{labels.get(per_step, per_step)} {reached[per_step]:.0f} s", _cite(name)))  # fmt: skip
+                      f"{labels.get(per_step, per_step)} {reached[per_step]:.0f} s", _cite_result(name)))  # fmt: skip
     what, local, rival = (" / ".join(c[i] for c in cells) for i in range(3))
     cites = ", ".join(c[3] for c in cells)
     rows.append(
@@ -188,7 +200,8 @@ def standing() -> str:
     if gpu.is_file():
         device = json.loads(gpu.read_text(encoding="utf-8")).get("device", "a GPU")
         rows.append(
-            f"| CUDA / NCCL: `bash benchmarks/device_check.sh` | 1 GPU | ran on {device} | | {_cite('gpu.json')} |"
+            f"| CUDA / NCCL: `bash benchmarks/device_check.sh` | 1 GPU | ran on {device} | | "
+            f"{_cite_result('gpu.json')} |"
         )
     else:
         rows.append(
@@ -223,7 +236,7 @@ def matrix(*names: str) -> str:
             settings = f"`{' '.join(flags)}`" if flags else "none"
             rows.append(
                 f"| {config} | {settings} | " + " | ".join(cells) + f" | {_seeds(result['seeds'])} | "
-                f"{_cite(name, result.get('report_commit'))} |"
+                f"{_cite_result(name, result)} |"
             )
     return "\n".join(rows) + "\n"
 
@@ -268,7 +281,7 @@ def qa_beta_heldout() -> str:
             cells.append(f"{_median_worst(finals, higher)} ({_seeds(finals)})")
             cited += [c for c in cites if c not in cited]
         rows.append(f"| {setting} | " + " | ".join(cells) + " |")
-    return "\n".join(rows) + "\n\nStored in " + ", ".join(cited) + ".\n"
+    return "\n".join(rows) + "\n\nFrom " + ", ".join(cited) + ".\n"
 
 
 def table(name: str) -> str:
@@ -305,7 +318,7 @@ def simulate_quality(name: str) -> str:
         rows.append(f"| {label} | {run['lr'][key]:g} | {_seeds(map(int, r['final']))} | "
                     f"{len(r['final']) - len(missed)} of {len(r['final'])} | {_seeds(missed) if missed else 'none'} | "
                     f"{r['step_to_target_median']} | {r['median']:.1f} / {r['worst']:.1f} |")  # fmt: skip
-    return "\n".join(rows) + f"\n\nStored in {_cite(name)}.\n"
+    return "\n".join(rows) + f"\n\nFrom {_cite_result(name)}.\n"
 
 
 ABLATION_WORDS = {  # benchmarks/update_rule_ablation.py's variants, in words
@@ -343,8 +356,8 @@ def update_rule_ablation(*args: str) -> str:
             rows.append(
                 f"| {ABLATION_WORDS[variant]} | {_lr(cell['lr'])} | {cell['median']:.1f} | {cell['worst']:.1f} |"
             )
-        cites.append(_cite(name, result.get("commit")))
-    return "\n".join(rows) + "\n\nStored in " + ", ".join(cites) + ".\n"
+        cites.append(_cite_result(name, result))
+    return "\n".join(rows) + "\n\nFrom " + ", ".join(cites) + ".\n"
 
 
 TTA_STALE_WORDS = {"literal": "paper (`lazy=False`)", "lazy": "`lazy=True`"}
@@ -364,7 +377,7 @@ def tta_stale(name: str = "tta_stale.json") -> str:
             reached = sum(step is not None for step in v["first_step_at_target"].values())
             rows.append(f"| {TTA_STALE_WORDS[variant]} | {task['lr']:g} | {finals} | {v['median_final']:.1f} | "
                         f"{v['worst_final']:.1f} | {reached} of {len(v['seeds'])} |")  # fmt: skip
-    return "\n".join(rows) + f"\n\nStored in {_cite(name)}.\n"
+    return "\n".join(rows) + f"\n\nFrom {_cite_result(name)}.\n"
 
 
 def convergence_lr(checks: str = "convergence_lr_checks.json", main: str = "convergence_results.json") -> str:
@@ -397,7 +410,7 @@ def convergence_lr(checks: str = "convergence_lr_checks.json", main: str = "conv
         lrs = " / ".join(f"**{_lr(lr)}**" if (task, method, lr) in main_lr else _lr(lr) for lr in by_lr)
         values = " / ".join(f"{v:.1f}" for v in by_lr.values())
         rows.append(f"| {label} | {words[method]} | {lrs} | {words[metric]} {values} |")
-    return "\n".join(rows) + f"\n\nStored in {_cite(checks)} and {_cite(main)} (seed 0 of the main runs).\n"
+    return "\n".join(rows) + f"\n\nFrom {_cite_result(checks)} and {_cite_result(main)} (seed 0 of the main runs).\n"
 
 
 def _rate(lr: float) -> str:
@@ -406,9 +419,8 @@ def _rate(lr: float) -> str:
 
 
 def _cites(*names: str) -> list[str]:
-    """``_cite`` of each stored result, with the commit it ran at where it stored one."""
-    results = (_load(name) for name in names)
-    return [_cite(name, r.get("report_commit") or r.get("commit")) for name, r in zip(names, results)]
+    """``_cite_result`` of each stored result."""
+    return [_cite_result(name) for name in names]
 
 
 # what each reader below gives: a rate, a grid (rate -> metric; may be empty) and the citations of its stored runs
@@ -518,7 +530,7 @@ def checkpoint_checksum(name: str = "checkpoint_checksum.json") -> str:
     hashing = f"{seconds['sha256 of the rank state alone']:g}"
     rows = ["| step | seconds |", "|---|---:|"]
     rows += [f"| {words.format(hashing=hashing)} | {seconds[key]:g} |" for key, words in CHECKPOINT_STEPS.items()]
-    return "\n".join(rows) + f"\n\nStored in {_cite(name)}.\n"
+    return "\n".join(rows) + f"\n\nFrom {_cite_result(name)}.\n"
 
 
 ZERO_GRAD_RUNS = {"before": "before: independent draws", "after": "after: antithetic pairs"}
@@ -533,7 +545,7 @@ def zero_grad_rows(name: str = "zero_grad_rows.json") -> str:
         rows.append(f"| {ZERO_GRAD_RUNS[key]} | {r['vocab_rows']} | {r['rows_without_gradient']} | "
                     f"{r['rows_without_gradient_that_moved']} | {r['max_move_lr']:.3g} | "
                     f"{r['mean_move_lr']:.3g} |")  # fmt: skip
-    return "\n".join(rows) + f"\n\nStored in {_cite(name)}.\n"
+    return "\n".join(rows) + f"\n\nFrom {_cite_result(name)}.\n"
 
 
 STALE_DRIFT_WORDS = {"literal": 'paper (`stale="keep"`)', "amsgrad": '`stale="keep", amsgrad=True`',
@@ -552,7 +564,7 @@ def stale_drift(*steps: str, name: str = "stale_drift.json") -> str:
     for mode, words in STALE_DRIFT_WORDS.items():
         cells = [" / ".join(f"{x:g}" for x in drift[setup][mode][step]) for setup, step in columns]
         rows.append(f"| {words} | " + " | ".join(cells) + " |")
-    return "\n".join(rows) + f"\n\nStored in {_cite(name)}.\n"
+    return "\n".join(rows) + f"\n\nFrom {_cite_result(name)}.\n"
 
 
 # ------------------------------------------------------------------------------------------ speed: set-up costs
@@ -583,7 +595,7 @@ def elastic_restart(*names: str) -> str:
             f"{w['own_files_s']:g} / {w['until_complete_s']:g} s" for w in first
         ]
     rows += [f"| {words} | " + " | ".join(cells) + " |" for words, cells in body.items()]
-    return "\n".join(rows) + "\n\nStored in " + ", ".join(map(_cite, names)) + ".\n"
+    return "\n".join(rows) + "\n\nFrom " + ", ".join(map(_cite_result, names)) + ".\n"
 
 
 def agreement(name: str = "agreement.json") -> str:
@@ -596,7 +608,7 @@ def agreement(name: str = "agreement.json") -> str:
             f"| the first call's extra exchange | {r['check_exchange_ms']:g} ms |",
             f"| what each later call adds (build its signature, find it in the cache) | {r['cache_lookup_us']:g} µs |",
             f"| a whole later call of {r['numel']} elements, for scale | {r['call_ms']:g} ms |"]  # fmt: skip
-    return "\n".join(rows) + f"\n\nStored in {_cite(name)}.\n"
+    return "\n".join(rows) + f"\n\nFrom {_cite_result(name)}.\n"
 
 
 # ------------------------------------------------------------------------------------ speed: codec, wire, step time
@@ -627,7 +639,7 @@ def codec(name: str = "codec.json") -> str:
         ratio = f"{run['ratio_vs_copy'][key]:.2f}"
         ratio = f"**{ratio}**" if key == "quantize+pack" else ratio  # the kernel the target is about
         rows.append(f"| {label.format(how=how)} | {run['ms'][key]:.2f} | {ratio} |")
-    return "\n".join(rows) + "\n"
+    return "\n".join(rows) + f"\n\nFrom {_cite_result(name, run)}.\n"
 
 
 def codec_small(name: str = "codec_small.json") -> str:
@@ -640,7 +652,7 @@ def codec_small(name: str = "codec_small.json") -> str:
     for size, us in run["us_per_call"].items():
         cells = [f"{us[f'{key} {how}']:.1f}" for key, _ in kernels for how in ("eager", "compiled")]
         rows.append(f"| {int(size):,} | " + " | ".join(cells) + " |")
-    return "\n".join(rows) + "\n"
+    return "\n".join(rows) + f"\n\nFrom {_cite_result(name, run)}.\n"
 
 
 def collectives(name: str = "collectives.json") -> str:
@@ -659,7 +671,7 @@ def collectives(name: str = "collectives.json") -> str:
         inter = "–" if row["method"] == "fp32 all_reduce" else f"{row['inter_node_bytes']:,}"
         rows.append(f"| {method} | {row['median_ms']:.1f} | {row['ratio_vs_all_reduce']:.2f} | "
                     f"{row['bytes_sent_per_rank']:,} | {inter} |")  # fmt: skip
-    return "\n".join(rows) + "\n"
+    return "\n".join(rows) + f"\n\nFrom {_cite_result(name)}.\n"
 
 
 THROUGHPUT_MODELS = {"bert": "BERT-Base (AdamW)", "resnet50": "ResNet-50 (SGDM)"}
@@ -695,7 +707,7 @@ def throughput(profile: str, name: str = "throughput.json") -> str:
         rows.append(f"| {THROUGHPUT_MODELS[model]} | {batch} | {fp32['step_s']:.3g} | {birder['step_s']:.3g} s | "
                     f"**{birder['ratio_vs_fp32']:.2f}×** | {birder['bound_vs_fp32']:.2f}× | "
                     f"{birder['share_of_bound']:.2f} | {rest} |")  # fmt: skip
-    return "\n".join(rows) + "\n"
+    return "\n".join(rows) + f"\n\nFrom {_cite_result(name, run)}.\n"
 
 
 def throughput_links(name: str = "throughput.json") -> str:
@@ -715,7 +727,7 @@ def throughput_links(name: str = "throughput.json") -> str:
         words = f"{rate:.0f} Mbit/s (shaped)" if shaped else f"unshaped (~{rate / 1000:.0f} Gbit/s)"
         cells = [" / ".join(f"{got[profile, m, b]:.2f}×" for b in sorted(set(bs))) for m, bs in batches.items()]
         rows.append(f"| {words} | " + " | ".join(cells) + " |")
-    return "\n".join(rows) + "\n"
+    return "\n".join(rows) + f"\n\nFrom {_cite_result(name, run)}.\n"
 
 
 def tta_rates(name: str = "tta.json") -> str:
@@ -727,7 +739,7 @@ def tta_rates(name: str = "tta.json") -> str:
     for task, r in sorted(_load(name)["rates"].items(), key=lambda kv: order.get(kv[0], len(order))):
         rows.append(f"| {task} | {r['compute_s']:.3f} | {r['fp32_bytes_per_step']:,.0f} | {r['ratio']:.2f} | "
                     f"{r['rate_mbit']:.1f} |")  # fmt: skip
-    return "\n".join(rows) + "\n"
+    return "\n".join(rows) + f"\n\nFrom {_cite_result(name)}.\n"
 
 
 def cost_model(name: str = "cost_model.json") -> str:
@@ -744,7 +756,7 @@ def cost_model(name: str = "cost_model.json") -> str:
     for nodes in run["assumptions"]["nodes"]:
         cells = [" / ".join(_x(got[m, n, nodes, b]) for b in run["models"][m]["batches"]) for m, n in columns]
         rows.append(f"| {nodes} | " + " | ".join(cells) + " |")
-    return "\n".join(rows) + "\n"
+    return "\n".join(rows) + f"\n\nFrom {_cite_result(name, run)}.\n"
 
 
 _RENDERERS = (standing, matrix, qa_beta_heldout, table, simulate_quality, update_rule_ablation, tta_stale)

@@ -375,6 +375,46 @@ def test_readme_is_short():
     assert len(README.splitlines()) <= 200, "README.md: at most 200 lines; move detail to docs/"
 
 
+# ------------------------------------------------------------------------------ provenance of stored results
+
+HASH = re.compile(r"[0-9a-f]{40}")
+
+
+def test_every_stored_result_names_its_commit():
+    # a stored result says which code made it: the commit its run recorded (report_commit, or commit in
+    # update_rule_ablation's files; None only where the run had no git), else the last commit that stored the file
+    # (stored_at_commit, written for the results stored before benchmarks recorded it: the run was at or before it)
+    missing, wrong = [], []
+    for path in sorted(RESULTS.glob("*.json")):
+        result = json.loads(_text(path))
+        if not isinstance(result, dict):
+            continue
+        keys = [k for k in ("report_commit", "commit", "stored_at_commit") if k in result]
+        if not keys:
+            missing.append(path.name)
+        for key in keys:
+            value = result[key]
+            no_git = key == "report_commit" and value is None
+            if not no_git and not (isinstance(value, str) and HASH.fullmatch(value)):
+                wrong.append(f"{path.name}: {key} = {value!r}")
+    assert not missing, f"results that name no commit: {missing}; see benchmarks/provenance.py"
+    assert not wrong, "not a full commit hash:\n" + "\n".join(wrong)
+
+
+def test_provenance_gives_the_commit_the_command_and_uncommitted_changes():
+    # benchmarks/provenance.py: what every benchmark merges into the result it stores
+    spec = importlib.util.spec_from_file_location("provenance_under_test", ROOT / "benchmarks" / "provenance.py")
+    provenance = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(provenance)
+    got = provenance.provenance(ROOT / "benchmarks" / "codec.py", ["--small", "--out", "a b.json"])
+    assert set(got) == {"report_commit", "command", "dirty"}
+    assert got["command"] == "python benchmarks/codec.py --small --out 'a b.json'"  # repeatable from the root
+    if provenance._git("rev-parse", "HEAD") is None:  # no git, or not a repository: nothing to name
+        assert got["report_commit"] is None and got["dirty"] is None
+    else:
+        assert HASH.fullmatch(got["report_commit"]) and isinstance(got["dirty"], bool)
+
+
 # ---------------------------------------------------------------------------------------------- license
 
 

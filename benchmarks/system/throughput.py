@@ -43,6 +43,7 @@ sys.path.insert(0, str(_HERE))
 sys.path.insert(0, str(_HERE.parent))  # benchmarks/plots.py
 
 import testbed  # noqa: E402
+from provenance import provenance  # noqa: E402
 
 WORKER = _HERE / "_throughput_worker.py"
 METHODS = (
@@ -517,6 +518,7 @@ def _resummarize(args) -> int:
 
 
 def _write(args, result: dict) -> int:
+    result = {**result, **provenance(__file__, args.argv)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

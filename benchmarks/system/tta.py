@@ -56,6 +56,7 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
 sys.path.insert(0, str(_HERE.parent))
+from provenance import provenance  # noqa: E402
 
 ROOT = _HERE.parents[1]
 WORKER = _HERE / "_tta_worker.py"
@@ -466,8 +467,7 @@ def report(args) -> dict:
     lrs = tuned(args)
     # steps and batch are per task (read from the runs' records below), not this invocation's
     config = {k: (_rel(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("steps", "batch")}
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    result = {"config": config, "report_commit": commit,
+    result = {"config": config, **provenance(__file__),
               "rates": json.loads((args.work / "rates.json").read_text()), "tuned": lrs, "tasks": {}}  # fmt: skip
     for task in args.tasks:
         key, higher, label = PRIMARY[task]

@@ -27,8 +27,10 @@ from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
+sys.path.insert(0, str(_HERE.parent))  # benchmarks/provenance.py
 
 import tta  # noqa: E402
+from provenance import provenance  # noqa: E402
 
 VARIANTS = {
     "literal": {"lazy": False, "amsgrad": False},
@@ -95,7 +97,7 @@ def run(args) -> None:
 
 def report(args) -> dict:
     ref = json.loads((tta.ROOT / "docs" / "results" / "tta.json").read_text())["tasks"]
-    result = {"command": " ".join(["python benchmarks/system/tta_stale.py", *sys.argv[1:]]), "tasks": {}}
+    result = {**provenance(__file__), "tasks": {}}
     for task, lr in [(name, lr) for name in args.tasks for lr in [_lr(name), *(args.extra_lr or [])]]:
         key, higher, label = tta.PRIMARY[task]
         t = {"metric": key, "label": label, "target": ref[task]["target"], "lr": lr, **SETTING[task],
@@ -168,7 +170,7 @@ def plot(result: dict, path: Path) -> None:
         ax.axhline(t["target"], color="grey", ls="--", lw=0.8, label="target (95% of fp32's final)")
         title = f"{tta.TITLES[task.split('@')[0]]}: Birder hierarchical, lr {t['lr']:g}"
         ax.set(title=title, xlabel="step", ylabel=t["label"])
-        if not tta.PRIMARY[task.split('@')[0]][1]:
+        if not tta.PRIMARY[task.split("@")[0]][1]:
             ax.set_yscale("log")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
