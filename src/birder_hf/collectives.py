@@ -556,15 +556,15 @@ def _plan_for(method: str, lws: int, k: int) -> type[_Plan]:
     return _PLANS[method]
 
 
-def _layout(topo: Topology, numel: int, settings: CommSettings):
+def _layout(topo: Topology, numel: int, comm: CommSettings):
     """A call's plan class, its padded length, its elements per round and its signature's chunking field (the
     elements per round when chunked and not empty, else 0)."""
-    plan = _plan_for(settings.method, topo.local_world_size, topo.num_nodes)
-    align = plan.alignment(topo.world_size, topo.local_world_size, topo.num_nodes, settings.inter_method)
+    plan = _plan_for(comm.method, topo.local_world_size, topo.num_nodes)
+    align = plan.alignment(topo.world_size, topo.local_world_size, topo.num_nodes, comm.inter_method)
     padded = -(-numel // align) * align
-    if settings.chunk_numel is None or not padded:
+    if comm.chunk_numel is None or not padded:
         return plan, padded, padded, 0
-    step = max(align, int(settings.chunk_numel) // align * align)  # whole bytes of every shard, at least one
+    step = max(align, int(comm.chunk_numel) // align * align)  # whole bytes of every shard, at least one
     return plan, padded, step, step
 
 
@@ -584,15 +584,15 @@ def expected_bytes(method: str, numel: int, topology, *, inter_method: str = DEF
       (``k = 1``) the exact mean of the ``L`` votes: as allgather for ``L <= 4``, else step 4 shares their
       counts, ``bit_length(L)`` times ``(L-1)/L·d/8``.
     """
-    settings = check_settings(method, inter_method)
+    comm = check_settings(method, inter_method)
     if isinstance(topology, tuple):
         k, lws = topology
         n = k * lws
     else:
         n, lws, k = topology.world_size, topology.local_world_size, topology.num_nodes
-    plan = _plan_for(settings.method, lws, k)
-    align = plan.alignment(n, lws, k, settings.inter_method)
-    intra, inter = plan.sent(-(-numel // align) * align, n, lws, k, settings.inter_method)
+    plan = _plan_for(comm.method, lws, k)
+    align = plan.alignment(n, lws, k, comm.inter_method)
+    intra, inter = plan.sent(-(-numel // align) * align, n, lws, k, comm.inter_method)
     fp32 = fp32_allreduce_bytes(numel, n)
     return {"intra_node_bytes": intra, "inter_node_bytes": inter, "fp32_allreduce_bytes": fp32}
 
@@ -614,13 +614,13 @@ def check_agreement(
     any state before a failing check (``StepAllReduce``) calls it first. Collective on a new signature (one
     all-gather of 7 int64 on ``device``); free afterwards (a cache lookup).
     """
-    settings = check_settings(method, inter_method, chunk_numel)
+    comm = check_settings(method, inter_method, chunk_numel)
     topo = _default_topology() if topology is None else topology
     if not isinstance(topo, Topology):
         raise TypeError(f"topology must be a birder_hf.Topology, got {type(topo).__name__}")
-    plan, _, _, chunked = _layout(topo, numel, settings)
+    plan, _, _, chunked = _layout(topo, numel, comm)
     check_device(topo.world_group, torch.device(device))
-    signature = signature_of(topo, numel, plan.name, settings.inter_method, chunked, dtype)
+    signature = signature_of(topo, numel, plan.name, comm.inter_method, chunked, dtype)
     if not needs_check(topo, signature):
         return
 
@@ -721,7 +721,7 @@ def onebit_all_reduce(
 
         >>> d = onebit_all_reduce(u, topology=Topology.from_layout(2, 2), method="hierarchical", keys=7)
     """
-    settings = check_settings(method, inter_method, chunk_numel)
+    comm = check_settings(method, inter_method, chunk_numel)
     if not isinstance(u, torch.Tensor) or not u.is_floating_point():
         raise TypeError(f"u must be a floating-point tensor (fp16/bf16/fp32/fp64), got {getattr(u, 'dtype', u)}")
     topo = _default_topology() if topology is None else topology
@@ -740,9 +740,9 @@ def onebit_all_reduce(
             f"{out.numel()} elements of {out.dtype} on {out.device}{'' if out.is_contiguous() else ', non-contiguous'}"
         )
     result, out = out, out.detach().view(-1)
-    plan_class, padded, step, chunked = _layout(topo, numel, settings)
+    plan_class, padded, step, chunked = _layout(topo, numel, comm)
     # the first call with these arguments checks that every rank passed the same (then a cache lookup)
-    signature = signature_of(topo, numel, plan_class.name, settings.inter_method, chunked, u.dtype)
+    signature = signature_of(topo, numel, plan_class.name, comm.inter_method, chunked, u.dtype)
     check = needs_check(topo, signature)
     if stats is not None:
         stats.calls += 1
@@ -763,7 +763,7 @@ def onebit_all_reduce(
     if packed.numel() * 8 != padded:
         packed = torch.cat([packed, packed.new_zeros(padded // 8 - packed.numel())])
     chunks = [(c0, min(c0 + step, padded)) for c0 in range(0, padded, step)] if padded else []
-    plan = plan_class(topo, settings.inter_method, keys, packed, out)
+    plan = plan_class(topo, comm.inter_method, keys, packed, out)
 
     def start(wire):
         if check:

@@ -330,7 +330,7 @@ def register_birder_fsdp(
 
     Collective: every rank calls it, in the same order as its other process-group creations.
     """
-    settings = check_settings(method, inter_method, chunk_numel)
+    comm = check_settings(method, inter_method, chunk_numel)
     opt = unwrap_optimizer(optimizer)
     if getattr(opt, "sharding_refusal", None):
         raise TypeError(opt.sharding_refusal)
@@ -370,7 +370,7 @@ def register_birder_fsdp(
     if not in_backward:
         StepAllReduce.agree_on_setup(  # the settings every rank's communicator shares, as the hook states agree on
             opt,
-            settings,
+            comm,
             topology=topology,
             agree_group=everyone,
             what="register_birder_fsdp",
@@ -379,11 +379,11 @@ def register_birder_fsdp(
         if units is not None:
             usage = UsageMarks()
             _watch_units(units, usage)
-        communicator = StepAllReduce(settings, topology=topology, agree_group=everyone, usage=usage)
+        communicator = StepAllReduce(comm, topology=topology, agree_group=everyone, usage=usage)
         communicator.attach(opt)
         return communicator
     state = FSDPHookState(
-        opt, topology, settings, check_finite=check_finite, agree_group=everyone, grad_scaler=grad_scaler
+        opt, topology, comm, check_finite=check_finite, agree_group=everyone, grad_scaler=grad_scaler
     )
     try:
         if check_finite:

@@ -135,9 +135,9 @@ def start_exchange(
 ) -> torch.futures.Future:
     """Start the 1-bit all-reduce of ``u`` (flat) with the state's settings; ``d`` overwrites ``out`` (default
     ``u``)."""
-    topology, settings, stats = state.topology, state.comm_settings, state.step_stats
+    topology, comm, stats = state.topology, state.comm_settings, state.step_stats
     out = u if out is None else out
-    return onebit_all_reduce(u, topology=topology, method=settings, keys=keys, async_op=True, stats=stats, out=out)
+    return onebit_all_reduce(u, topology=topology, method=comm, keys=keys, async_op=True, stats=stats, out=out)
 
 
 def _sample_directions(state: BirderStagedState, fut: torch.futures.Future, items: list) -> torch.futures.Future:
@@ -336,7 +336,7 @@ def attach_ddp_hook(
     as it was. With fp16 loss scaling pass the ``GradScaler`` as ``grad_scaler`` (see :class:`BirderHookState`).
     """
     try:  # this rank's checks; a failure stops every rank together (agree_setup), as the hook states' own checks do
-        settings = check_settings(method, inter_method, chunk_numel)
+        comm = check_settings(method, inter_method, chunk_numel)
         ddp = unwrap_ddp(model)
         opt = unwrap_optimizer(optimizer)
         if not isinstance(opt, OneBitOptimizer):
@@ -350,7 +350,7 @@ def attach_ddp_hook(
     if own is not None:  # an optimizer with its own exchange (1-bit Adam)
         state, hook = own
     else:
-        state = BirderHookState(opt, topology, settings, check_finite=check_finite, grad_scaler=grad_scaler)
+        state = BirderHookState(opt, topology, comm, check_finite=check_finite, grad_scaler=grad_scaler)
         hook = birder_hook
     try:
         ddp.register_comm_hook(state, hook)

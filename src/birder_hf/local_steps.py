@@ -119,7 +119,7 @@ class LocalSteps:
             problem = RULES[name].problem(value)
             if problem is not None:
                 raise ValueError(f"Invalid {name}={value!r}: {problem.format(name=name)}.")
-        self.settings = check_settings(method, inter_method)
+        self.comm_settings = check_settings(method, inter_method)
         self.local_steps, self.exchange, self.encoding, self.seed = int(local_steps), exchange, encoding, int(seed)
         self.outer_lr, self.outer_momentum, self.scale_block = float(outer_lr), float(outer_momentum), scale_block
         self.error_feedback = exchange == "onebit" and encoding == "sign"
@@ -224,7 +224,7 @@ class LocalSteps:
         keys = BitKeys.single(self.seed, self.outer_steps, u.numel())
         if self.error:  # what this rank could not send, sent later: e minus its own vote, scaled
             torch.sub(e, own_votes(u, topology=self.topology, keys=keys).mul_(scale), out=self.error_flat)
-        d = onebit_all_reduce(u, topology=self.topology, method=self.settings, keys=keys, stats=self.stats, out=u)
+        d = onebit_all_reduce(u, topology=self.topology, method=self.comm_settings, keys=keys, stats=self.stats, out=u)
         self.stats.fp32_allreduce_bytes -= self._fp32_bytes()  # counted per inner step instead
         return self._split(d.mul_(scale), delta)
 
