@@ -140,6 +140,13 @@ QUALITY = [
         [("recipe_matrix_lm_lm2x2_rule.json", "adamw")],
         AS_FLAGS,
     ),
+    (
+        "LM perplexity ↓",
+        "2x4",
+        [("recipe_matrix_lm_lm2x4.json", "birder")],
+        [("recipe_matrix_lm_lm2x4.json", "adamw")],
+        "the recipe's defaults",
+    ),
 ]
 
 

@@ -91,7 +91,8 @@ UPDATE_RULES = {
 }
 BIRDER_PAPER_LR = 5e-4
 # "adam": the best rate grew with the workers that vote: 2e-3 of 1e-3 / 2e-3 / 4e-3 at 2 ranks, 4e-3 of 2e-3 / 4e-3 /
-# 8e-3 at 4 (seeds 0-2). Beyond 4 voters nothing was measured: the rate stays at the largest measured one.
+# 8e-3 at 4 (seeds 0-2). Beyond 4 voters the rate stays at 4's: at 8 (2 x 4) 8e-3 ended seed 0 at 286.8 against
+# 4e-3's 158.1 (docs/results/recipe_matrix_lm_lm2x4_lr_tune.json).
 LR_PER_VOTER, MAX_MEASURED_VOTERS = 1e-3, 4
 # "adam"'s beta under DDP by the ranks that vote, each chosen on seeds 0-2 and judged on seeds 3-5 (docs/BENCHMARKS.md,
 # "The opt-in update rule at two ranks (LM and QA)"). At 2: 0.8 of 0.9 / 0.8 (median perplexity 196.4 against 220.9;
