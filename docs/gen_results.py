@@ -313,7 +313,7 @@ def simulate_quality(name: str) -> str:
     """``benchmarks/simulate_quality.py``: per optimizer, how many seeds reach the target and which miss it, the median
     step to it and the final metric's median / worst seed."""
     run = _load(name)
-    settings = [str(v) for v in run["options"].values()]
+    settings = [v if isinstance(v, str) else f"{k} {v}" for k, v in run["options"].items()]  # "fade", "beta 0.9"
     settings += [f"warm-up {run['warmup']:.0%}"] if run.get("warmup") else []
     metric = run["metric"]
     rows = [f"| {', '.join(['run'] + settings)} | lr | seeds | reaching the target ({run['target']:.2f}) | "
@@ -322,9 +322,11 @@ def simulate_quality(name: str) -> str:
     for key, r in run["runs"].items():
         label = "AdamW" if key == "adamw" else f"Birder {_layout(key)}"
         missed = [int(seed) for seed, step in r["step_to_target"].items() if step is None]
+        median = r["step_to_target_median"]  # inf: half the seeds or more never reached it
+        median = "not reached" if median is None or median == float("inf") else f"{median:g}"
         rows.append(f"| {label} | {run['lr'][key]:g} | {_seeds(map(int, r['final']))} | "
                     f"{len(r['final']) - len(missed)} of {len(r['final'])} | {_seeds(missed) if missed else 'none'} | "
-                    f"{r['step_to_target_median']} | {r['median']:.1f} / {r['worst']:.1f} |")  # fmt: skip
+                    f"{median} | {r['median']:.1f} / {r['worst']:.1f} |")  # fmt: skip
     return "\n".join(rows) + f"\n\nFrom {_cite_result(name)}.\n"
 
 
