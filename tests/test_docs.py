@@ -201,8 +201,8 @@ def test_numbers_next_to_a_cited_results_file_are_in_it():
     # a sentence (or table row) that cites docs/results/<file> quotes that file: each decimal number in it must be
     # one of the file's numbers, as rounded (whole numbers are left out: counts, sizes and settings). Sentences about
     # a previous version of a file (`git show <rev>:docs/results/...`, `git log -p ...`) cite history, not the file.
-    # The marked tables are checked cell by cell above; generated blocks are left out whole (they are rendered from
-    # the files they cite, and tested below), not only their sentences that still hold a marker.
+    # Generated blocks are left out whole: they are rendered from the files they cite (and read back in the tests
+    # below).
     cache, wrong, block = {}, [], _gen_results().BLOCK
     for doc in DOCS:
         for sentence in _sentences(block.sub("", _text(doc))):
