@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -99,16 +100,19 @@ import os, sys, time
 sys.path.insert(0, {src!r})
 from birder_hf.elastic import claim_output_dir
 claim_output_dir({folder!r})
-if {orphan!r} and os.fork() == 0:  # a data loader worker: it keeps the lock a while after its parent died
-    time.sleep(3)
+if {release!r} and os.fork() == 0:  # a data loader worker: it keeps the lock after its parent died, until released
+    while not os.path.exists({release!r}):
+        time.sleep(0.05)
     os._exit(0)
 print("held", flush=True)
 {then}
 """
 
 
-def _holder(folder, *, orphan=False, then="sys.stdin.read()"):
-    script = _HOLD.format(src=ROOT + "/src", folder=folder, orphan=orphan, then=then)
+def _holder(folder, *, release=None, then="sys.stdin.read()"):
+    """A process that holds ``folder``'s lock; with ``release`` (a path), a child it forked keeps holding it after the
+    process ends, until that path exists."""
+    script = _HOLD.format(src=ROOT + "/src", folder=folder, release=str(release or ""), then=then)
     proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline() == "held\n"
     return proc
@@ -130,11 +134,18 @@ def test_an_output_dir_another_job_writes_is_refused_until_that_job_ends(tmp_pat
     claim_output_dir(out)  # held by this process already: free
     assert json.load(open(os.path.join(out, LOCK)))["pid"] == os.getpid()
     # a holder that died here while a child it forked still holds the lock (an elastic restart): waited for
-    orphaned = str(tmp_path / "orphaned")
-    _holder(orphaned, orphan=True, then="").wait()
-    start = time.monotonic()
-    claim_output_dir(orphaned)
-    assert time.monotonic() - start > 1
+    # (the claim must not return before the orphan is released: a timer releases it a second into the claim, so a
+    # claim that did not wait returns before the release file exists, however loaded the machine)
+    orphaned, release = str(tmp_path / "orphaned"), tmp_path / "release"
+    _holder(orphaned, release=release, then="").wait()
+    timer = threading.Timer(1.0, release.touch)
+    timer.start()
+    try:
+        claim_output_dir(orphaned)
+        assert release.exists(), "the claim returned while the orphaned child still held the lock"
+    finally:
+        timer.cancel()
+        release.touch()  # frees the child whatever happened
     # a folder that cannot be written is refused before training, not at the first checkpoint
     with open(tmp_path / "file", "w"):
         pass
